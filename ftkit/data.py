@@ -1,0 +1,397 @@
+"""AMI meeting data: loading, splitting by meeting, Qwen3 chat formatting, masking, trimming and batching.
+
+Two sources give the same `Example`s:
+- a QMSum-format folder (`train/ val/ test/` of per-meeting JSON; QMSum, Zhong et al. 2021, arXiv 2104.05938),
+  which yields span-level query -> answer pairs and the whole-meeting summary;
+- a Hugging Face hub dataset of whole-meeting (transcript, summary) rows, read through `datasets`.
+
+Batches are a pure function of (seed, step): every rank computes the same global batch and takes its own
+slice, so the global batch is the same for any number of ranks and a resumed run needs only the step.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+SPLITS = ("train", "val", "test")
+IGNORE_INDEX = -100
+# The smallest transcript (in tokens) an example may be trimmed to before it is dropped instead.
+MIN_TRANSCRIPT_TOKENS = 32
+SAMPLE_DATA = Path(__file__).parent / "sample_data" / "qmsum-synthetic"
+
+
+class DataError(ValueError):
+    """The data given cannot be used; the message says what is wrong and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Example:
+    meeting_id: str
+    kind: str  # "span": a span-level query; "meeting": the whole-meeting summary
+    query: str
+    transcript: str
+    answer: str
+    # Whole-meeting summaries from QMSum are kept only where the whole transcript fits: a summary of the
+    # whole meeting trained against its first tenth teaches the model to invent the rest.
+    trimmable: bool = True
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def _turns_text(turns: Sequence[dict]) -> str:
+    return "\n".join(f"{t['speaker']}: {t['content'].strip()}" for t in turns)
+
+
+def read_meeting_file(path: str | os.PathLike) -> list[Example]:
+    """Examples of one QMSum meeting file; a malformed file raises DataError naming the file and the field."""
+    path = Path(path)
+    try:
+        meeting = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: not a readable JSON meeting file ({e})") from e
+    try:
+        turns = meeting["meeting_transcripts"]
+        if not isinstance(turns, list) or not turns:
+            raise DataError(f"{path}: 'meeting_transcripts' must be a non-empty list of turns")
+        for t in turns:
+            if not isinstance(t.get("speaker"), str) or not isinstance(t.get("content"), str):
+                raise DataError(f"{path}: every turn needs string 'speaker' and 'content'")
+        examples = []
+        for q in meeting.get("specific_query_list", []):
+            spans = []
+            for start, end in q["relevant_text_span"]:
+                a, b = int(start), int(end)
+                if not 0 <= a <= b < len(turns):
+                    raise DataError(f"{path}: span [{start}, {end}] outside the {len(turns)} turns")
+                spans.append(_turns_text(turns[a : b + 1]))
+            examples.append(Example(path.stem, "span", q["query"].strip(), "\n...\n".join(spans), q["answer"].strip()))
+        whole = _turns_text(turns)
+        for q in meeting.get("general_query_list", []):
+            examples.append(
+                Example(path.stem, "meeting", q["query"].strip(), whole, q["answer"].strip(), trimmable=False)
+            )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"{path}: not in QMSum's meeting format ({type(e).__name__}: {e})") from e
+    if not examples:
+        raise DataError(f"{path}: no query in 'specific_query_list' or 'general_query_list'")
+    return examples
+
+
+def load_qmsum_folder(root: str | os.PathLike) -> dict[str, list[Example]]:
+    """`root/{train,val,test}/*.json`; QMSum's own split is by meeting, and that is checked."""
+    root = Path(root)
+    if not root.is_dir():
+        raise DataError(
+            f"data folder {root} does not exist. Pass --data with a QMSum-format folder "
+            "(train/ val/ test/ of meeting JSON, e.g. a clone of QMSum's data/Product) or a hub dataset id."
+        )
+    missing = [s for s in SPLITS if not (root / s).is_dir()]
+    if missing:
+        raise DataError(f"data folder {root} has no {'/, '.join(missing)}/ subfolder: expected train/ val/ test/")
+    splits = {}
+    for split in SPLITS:
+        files = sorted((root / split).glob("*.json"))
+        if not files:
+            raise DataError(f"{root / split} holds no meeting .json files")
+        splits[split] = [ex for f in files for ex in read_meeting_file(f)]
+    check_split_by_meeting(splits)
+    return splits
+
+
+# Column names of the hub's AMI summarization datasets (whole meetings): the first that exists is used.
+TRANSCRIPT_COLUMNS = ("transcript", "dialogue", "dialog", "text", "document", "meeting", "input")
+SUMMARY_COLUMNS = ("summary", "abstract", "abstractive_summary", "target", "output")
+ID_COLUMNS = ("meeting_id", "id", "meeting", "name")
+HUB_SPLIT_NAMES = {"train": ("train",), "val": ("validation", "val", "valid", "dev"), "test": ("test",)}
+
+
+def _pick(columns: Iterable[str], candidates: Sequence[str], what: str, source: str) -> str:
+    columns = list(columns)
+    for c in candidates:
+        if c in columns:
+            return c
+    raise DataError(f"{source}: no {what} column (looked for {', '.join(candidates)}; it has {', '.join(columns)})")
+
+
+def rows_to_examples(rows, source: str, id_prefix: str) -> list[Example]:
+    """Whole-meeting rows (a `datasets.Dataset` or a list of dicts) -> examples; the transcript may be trimmed,
+    since these datasets have nothing shorter to learn from."""
+    columns = rows.column_names if hasattr(rows, "column_names") else list(rows[0].keys()) if rows else []
+    tcol = _pick(columns, TRANSCRIPT_COLUMNS, "transcript", source)
+    scol = _pick(columns, SUMMARY_COLUMNS, "summary", source)
+    icol = next((c for c in ID_COLUMNS if c in columns and c != tcol), None)
+    examples = []
+    for i, row in enumerate(rows):
+        transcript, summary = row[tcol], row[scol]
+        if not isinstance(transcript, str) or not isinstance(summary, str):
+            raise DataError(f"{source}: row {i}: transcript and summary must be strings")
+        meeting_id = str(row[icol]) if icol else f"{id_prefix}-{i}"
+        examples.append(Example(meeting_id, "meeting", "Summarize the whole meeting.", transcript, summary))
+    return examples
+
+
+def split_for_meeting(meeting_id: str, val_fraction: float = 0.1, test_fraction: float = 0.1) -> str:
+    """A stable split from a hash of the meeting id, for datasets that come as one split."""
+    u = int(hashlib.sha256(meeting_id.encode()).hexdigest()[:8], 16) / 0xFFFFFFFF
+    return "test" if u < test_fraction else "val" if u < test_fraction + val_fraction else "train"
+
+
+def hub_dataset_to_splits(dataset_dict, source: str) -> dict[str, list[Example]]:
+    """A `datasets.DatasetDict` -> our splits: the dataset's own splits where it has them, else by meeting hash."""
+    names = list(dataset_dict.keys())
+    splits: dict[str, list[Example]] = {}
+    for ours, theirs in HUB_SPLIT_NAMES.items():
+        name = next((n for n in theirs if n in names), None)
+        if name is not None:
+            splits[ours] = rows_to_examples(dataset_dict[name], f"{source}[{name}]", f"{source}:{name}")
+    if set(splits) != set(SPLITS):
+        pool = [ex for name in names for ex in rows_to_examples(dataset_dict[name], source, f"{source}:{name}")]
+        splits = {s: [ex for ex in pool if split_for_meeting(ex.meeting_id) == s] for s in SPLITS}
+    check_split_by_meeting(splits)
+    return splits
+
+
+def load_hub(dataset_id: str, revision: str | None = None) -> dict[str, list[Example]]:
+    """AMI from the hub, e.g. `TalTechNLP/AMIsum` with revision `refs/convert/parquet`, or the gated
+    `knkarthick/AMI` (set HF_TOKEN). Needs network access to the hub."""
+    import datasets
+
+    try:
+        dd = datasets.load_dataset(dataset_id, revision=revision, token=os.environ.get("HF_TOKEN"))
+    except Exception as e:
+        raise DataError(
+            f"could not load hub dataset {dataset_id!r} (revision {revision}): {type(e).__name__}: {e}. "
+            "Without hub access, pass --data with a local QMSum-format folder."
+        ) from e
+    return hub_dataset_to_splits(dd, dataset_id)
+
+
+def load_splits(data: str, revision: str | None = None) -> dict[str, list[Example]]:
+    """`data` is a local folder (QMSum format) or, if no such path exists and it looks like `owner/name`,
+    a hub dataset id."""
+    path = Path(data).expanduser()
+    if path.exists() or data.startswith((".", "/", "~")) or data.count("/") != 1:
+        return load_qmsum_folder(path)
+    return load_hub(data, revision)
+
+
+def check_split_by_meeting(splits: dict[str, list[Example]]) -> None:
+    seen: dict[str, str] = {}
+    for split, examples in splits.items():
+        for ex in examples:
+            other = seen.setdefault(ex.meeting_id, split)
+            if other != split:
+                raise DataError(f"meeting {ex.meeting_id} is in both {other} and {split}: splits must be by meeting")
+
+
+# ------------------------------------------------------------------------------- formatting and masking
+
+
+def user_message(transcript: str, query: str) -> str:
+    return f"Meeting transcript:\n{transcript}\n\n{query}"
+
+
+@dataclass
+class Encoded:
+    input_ids: list[int]
+    labels: list[int]  # IGNORE_INDEX on the prompt: the loss is on the answer and its <|im_end|> only
+    trimmed: bool
+
+    @property
+    def n_target(self) -> int:
+        return sum(1 for t in self.labels if t != IGNORE_INDEX)
+
+
+@dataclass
+class EncodeStats:
+    examples: int = 0
+    kept: int = 0
+    trimmed: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        return {
+            "examples": self.examples,
+            "kept": self.kept,
+            "trimmed": self.trimmed,
+            "dropped": self.dropped,
+        }
+
+    def describe(self) -> str:
+        drops = ", ".join(f"{n} {why}" for why, n in self.dropped.items()) or "none"
+        return f"{self.kept}/{self.examples} examples kept, {self.trimmed} with a trimmed transcript; dropped: {drops}"
+
+
+class ChatFormatter:
+    """Qwen3's chat format with thinking switched off: the user turn holds the transcript and the query, the
+    assistant turn the answer. The prompt is rendered by the tokenizer's own chat template
+    (`enable_thinking=False`, which renders Qwen3's empty think block), so the base model sees the format it was
+    tuned on. The transcript is tokenized as its own segment so it can be cut to fit without touching the
+    answer or the template."""
+
+    SENTINEL = "\x00TRANSCRIPT\x00"
+
+    def __init__(self, tokenizer, max_length: int):
+        self.tok = tokenizer
+        self.max_length = max_length
+        self.eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+        if self.eos_id is None or self.eos_id == tokenizer.unk_token_id:
+            raise DataError("tokenizer has no <|im_end|> token: it is not a Qwen3 chat tokenizer")
+
+    def _ids(self, text: str) -> list[int]:
+        return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_parts(self, query: str) -> tuple[list[int], list[int]]:
+        """Token ids of the prompt before and after the transcript."""
+        rendered = self.tok.apply_chat_template(
+            [{"role": "user", "content": user_message(self.SENTINEL, query)}],
+            tokenize=False,
+            add_generation_prompt=True,
+            enable_thinking=False,
+        )
+        before, after = rendered.split(self.SENTINEL)
+        return self._ids(before), self._ids(after)
+
+    def prompt_ids(self, ex: Example, reserve: int) -> list[int] | None:
+        """The prompt, its transcript cut to leave `reserve` tokens for the answer (None if it cannot fit)."""
+        before, after = self.prompt_parts(ex.query)
+        transcript = self._ids(ex.transcript)
+        budget = self.max_length - len(before) - len(after) - reserve
+        if budget < min(MIN_TRANSCRIPT_TOKENS, len(transcript)) or (len(transcript) > budget and not ex.trimmable):
+            return None
+        return before + transcript[:budget] + after
+
+    def encode(self, ex: Example) -> tuple[Encoded | None, str | None]:
+        """(Encoded, None) or (None, why it was dropped)."""
+        answer = self._ids(ex.answer) + [self.eos_id]
+        before, after = self.prompt_parts(ex.query)
+        transcript = self._ids(ex.transcript)
+        budget = self.max_length - len(before) - len(after) - len(answer)
+        if budget < min(MIN_TRANSCRIPT_TOKENS, len(transcript)):
+            return None, "answer too long for --max-length"
+        if len(transcript) > budget and not ex.trimmable:
+            return None, "whole meeting longer than --max-length"
+        prompt = before + transcript[:budget] + after
+        return Encoded(prompt + answer, [IGNORE_INDEX] * len(prompt) + answer, len(transcript) > budget), None
+
+    def encode_all(self, examples: Sequence[Example]) -> tuple[list[Encoded], EncodeStats]:
+        stats = EncodeStats(examples=len(examples))
+        out = []
+        for ex in examples:
+            enc, why = self.encode(ex)
+            if enc is None:
+                stats.dropped[why] = stats.dropped.get(why, 0) + 1
+                continue
+            stats.kept += 1
+            stats.trimmed += enc.trimmed
+            out.append(enc)
+        return out, stats
+
+
+# -------------------------------------------------------------------------------------------- batching
+
+
+class GlobalBatches:
+    """Length-grouped global batches, a pure function of (seed, step).
+
+    Each epoch is a seeded permutation; it is cut into groups of `group` global batches, each group sorted by
+    length and cut into batches, and the batches of the epoch shuffled again - so a batch holds sequences of
+    similar length (little padding) while the order stays random. The last partial batch of an epoch is
+    dropped so every optimizer step sees exactly `batch_size` sequences.
+    """
+
+    def __init__(self, data: Sequence[Encoded], batch_size: int, seed: int, group: int = 16):
+        if len(data) < batch_size:
+            raise DataError(f"only {len(data)} training examples for a global batch of {batch_size}")
+        self.data, self.batch_size, self.seed, self.group = data, batch_size, seed, group
+        self.per_epoch = len(data) // batch_size
+        self._epoch_cache: tuple[int, list[list[int]]] | None = None
+
+    def _epoch(self, epoch: int) -> list[list[int]]:
+        if self._epoch_cache and self._epoch_cache[0] == epoch:
+            return self._epoch_cache[1]
+        rng = random.Random(f"{self.seed}-{epoch}")
+        order = list(range(len(self.data)))
+        rng.shuffle(order)
+        order = order[: self.per_epoch * self.batch_size]
+        span = self.group * self.batch_size
+        batches = []
+        for g in range(0, len(order), span):
+            chunk = sorted(order[g : g + span], key=lambda i: (-len(self.data[i].input_ids), i))
+            batches += [chunk[b : b + self.batch_size] for b in range(0, len(chunk), self.batch_size)]
+        rng.shuffle(batches)
+        self._epoch_cache = (epoch, batches)
+        return batches
+
+    def indices(self, step: int) -> list[int]:
+        """The examples of optimizer step `step` (0-based), longest first."""
+        return self._epoch(step // self.per_epoch)[step % self.per_epoch]
+
+    def n_target(self, step: int) -> int:
+        """Target (answer) tokens in the whole global batch: the loss denominator on every rank."""
+        return sum(self.data[i].n_target for i in self.indices(step))
+
+    def micro_batches(self, step: int, micro_batch_size: int, rank: int = 0, world: int = 1) -> list[dict]:
+        """This rank's micro-batches of step `step`. Micro-step j of rank r takes the slice
+        [(j*world + r)*m, (j*world + r + 1)*m) of the sorted global batch, so the ranks' micro-batches at one
+        micro-step have similar lengths and their union over ranks and micro-steps is the global batch."""
+        accum = accumulation_steps(self.batch_size, micro_batch_size, world)
+        idx = self.indices(step)
+        m = micro_batch_size
+        return [
+            collate([self.data[i] for i in idx[(j * world + rank) * m : (j * world + rank + 1) * m]])
+            for j in range(accum)
+        ]
+
+
+def accumulation_steps(batch_size: int, micro_batch_size: int, data_parallel: int) -> int:
+    per_step = micro_batch_size * data_parallel
+    if batch_size % per_step:
+        raise DataError(
+            f"--batch-size {batch_size} is not a multiple of --micro-batch-size {micro_batch_size} x "
+            f"{data_parallel} data-parallel rank(s) = {per_step}; pick a global batch that divides, e.g. "
+            f"{max(per_step, batch_size // per_step * per_step)}"
+        )
+    return batch_size // per_step
+
+
+def collate(items: Sequence[Encoded], pad_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-padded tensors; padding is masked out of attention and of the labels."""
+    width = max(len(e.input_ids) for e in items)
+    ids = torch.full((len(items), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(items), width), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros((len(items), width), dtype=torch.long)
+    for row, e in enumerate(items):
+        n = len(e.input_ids)
+        ids[row, :n] = torch.tensor(e.input_ids)
+        labels[row, :n] = torch.tensor(e.labels)
+        mask[row, :n] = 1
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of next-token cross-entropy over target tokens, in fp32. Divided by the target tokens of
+    the whole global batch, the sum makes every split of the batch (micro-steps, ranks, stages) give the same
+    gradient as one big batch."""
+    logits = logits[:, :-1].float()
+    targets = labels[:, 1:]
+    return torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+
+
+def corpus(examples: Sequence[Example]) -> list[str]:
+    """The distinct texts of some examples, in order: what the tiny tokenizer is trained on."""
+    seen = dict.fromkeys(t for ex in examples for t in (ex.transcript, ex.query, ex.answer))
+    return list(seen)

@@ -1,0 +1,393 @@
+"""A memory model: predicted bytes per GPU for LoRA/QLoRA finetuning of a Qwen3-style decoder.
+
+Everything here is arithmetic on the model shape; nothing is measured. The components:
+
+- weights: the frozen base. bf16 = 2 B/param, fp32 = 4. NF4 (QLoRA, Dettmers et al. 2023, arXiv 2305.14314)
+  stores the seven projections at 4 bits = 0.5 B/param, plus the quantization constants: one absmax per
+  block of 64 weights, itself quantized to 8 bits with one fp32 constant per 256 absmaxes ("double
+  quantization"), i.e. 8/64 + 32/(64*256) = 0.127 bits/param (paper, Sec. 3). Embeddings, the tied
+  lm_head and the norms are not quantized (transformers converts the nn.Linear layers but the lm_head)
+  and stay in the compute dtype, unless `prepare_model_for_kbit_training` upcasts them to fp32
+  (`kbit_upcast`).
+- lora: the adapters, fp32 (4 B/param): PEFT keeps adapter weights in fp32 even on a bf16 base
+  (`autocast_adapter_dtype=True`).
+- gradients: fp32, LoRA only (the base is frozen). DDP adds its bucket copy of them.
+- optimizer: AdamW's two fp32 moments per trainable param, 8 B/param.
+- gathered: FSDP only, parameters all-gathered for compute on top of the resident shards.
+- activations: tensors saved for backward, derived op by op in `layer_activation_bytes`, plus the logits.
+
+`full_finetune=True` is the contrast case: every parameter trainable, mixed precision as in ZeRO
+(Rajbhandari et al. 2020, arXiv 1910.02054): bf16 weights and gradients plus fp32 master weights and two
+Adam moments, 2 + 2 + 12 B/param. `zero_bytes` gives that paper's per-GPU model-state formulas.
+
+Not modelled: the CUDA context and NCCL buffers, allocator fragmentation, transients (the fp32 logits
+gradient in the loss backward, the dequantized 4-bit weight during a matmul, unsharded gradients and
+all-reduce/reduce-scatter buffers), and a padding attention mask: expect a measured peak above `total`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ftkit.models import LORA_TARGETS
+
+GIB = 2**30
+FP32 = 4
+DTYPE_BYTES = {"bf16": 2, "fp32": 4}
+# Row-parallel under Megatron TP (input dim sharded); the other five are column-parallel (output dim sharded).
+ROW_PARALLEL = ("o_proj", "down_proj")
+# The tensor each projection reads: q/k/v read the attention norm's output, o_proj the SDPA output, ...
+LINEAR_INPUT = {
+    "q_proj": "attn_norm_out",
+    "k_proj": "attn_norm_out",
+    "v_proj": "attn_norm_out",
+    "o_proj": "sdpa_out",
+    "gate_proj": "mlp_norm_out",
+    "up_proj": "mlp_norm_out",
+    "down_proj": "swiglu_out",
+}
+# NF4 with double quantization, QLoRA paper Sec. 3: 4 bits + 8/64 + 32/(64*256) bits of constants per weight.
+NF4_BYTES_PER_PARAM = (4 + 8 / 64 + 32 / (64 * 256)) / 8
+TECHNIQUES = ("single", "ddp", "fsdp", "tp", "tp-sp", "pp")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers of a Qwen3 decoder that memory depends on."""
+
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> ModelShape:
+        """From a transformers `Qwen3Config` or a dict with the same keys."""
+        get = cfg.get if isinstance(cfg, Mapping) else lambda key, default=None: getattr(cfg, key, default)
+        hidden, heads = get("hidden_size"), get("num_attention_heads")
+        return cls(
+            layers=get("num_hidden_layers"),
+            hidden=hidden,
+            heads=heads,
+            kv_heads=get("num_key_value_heads") or heads,
+            head_dim=get("head_dim") or hidden // heads,
+            intermediate=get("intermediate_size"),
+            vocab=get("vocab_size"),
+            tied_embeddings=bool(get("tie_word_embeddings", False)),
+        )
+
+    @property
+    def q_dim(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def linears(self) -> dict[str, tuple[int, int]]:
+        """(in_features, out_features) of the seven projections of one decoder layer."""
+        h, q, kv, i = self.hidden, self.q_dim, self.kv_dim, self.intermediate
+        return {
+            "q_proj": (h, q),
+            "k_proj": (h, kv),
+            "v_proj": (h, kv),
+            "o_proj": (q, h),
+            "gate_proj": (h, i),
+            "up_proj": (h, i),
+            "down_proj": (i, h),
+        }
+
+    def linear_params(self) -> int:
+        """Projection weights of one layer (Qwen3 has no biases)."""
+        return sum(n_in * n_out for n_in, n_out in self.linears().values())
+
+    def norm_params(self) -> int:
+        """One layer's two RMSNorms (hidden each) plus q_norm and k_norm (head_dim each)."""
+        return 2 * self.hidden + 2 * self.head_dim
+
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    def n_params(self) -> int:
+        """All parameters: embeddings (+ lm_head unless tied), layers, final norm."""
+        head = 0 if self.tied_embeddings else self.embedding_params()
+        layers = self.layers * (self.linear_params() + self.norm_params())
+        return self.embedding_params() + head + layers + self.hidden
+
+
+QWEN3_4B = ModelShape(
+    layers=36,
+    hidden=2560,
+    heads=32,
+    kv_heads=8,
+    head_dim=128,
+    intermediate=9728,
+    vocab=151936,
+    tied_embeddings=True,
+)
+
+
+def lora_params(shape: ModelShape, rank: int, targets: Sequence[str] = LORA_TARGETS, tp: int = 1) -> int:
+    """LoRA parameters on one rank: r*(in + out) per targeted projection per layer (A: r x in, B: out x r).
+
+    Under tensor parallelism the adapter is split like its base (Megatron-style): a column-parallel base
+    shards B's output rows and replicates A; a row-parallel base shards A's input columns and replicates B."""
+    dims = shape.linears()
+    per_layer = 0
+    for name in targets:
+        n_in, n_out = dims[name]
+        per_layer += rank * (n_in // tp + n_out) if name in ROW_PARALLEL else rank * (n_in + n_out // tp)
+    return shape.layers * per_layer
+
+
+def zero_bytes(psi: float, k: float = 12, n_d: int = 64, stage: int = 0) -> float:
+    """Model-state bytes per GPU in ZeRO (Rajbhandari et al. 2020, arXiv 1910.02054, Fig. 1).
+
+    psi parameters in mixed precision: 2 B weights + 2 B gradients + K B of optimizer state (Adam: fp32
+    master weights, momentum, variance, K = 12), data-parallel degree n_d. Stage 0 is plain data
+    parallelism, 1 partitions the optimizer states (P_os), 2 also the gradients (P_os+g), 3 also the
+    parameters (P_os+g+p)."""
+    if stage == 0:
+        return (2 + 2 + k) * psi
+    if stage == 1:
+        return 4 * psi + k * psi / n_d
+    if stage == 2:
+        return 2 * psi + (2 + k) * psi / n_d
+    if stage == 3:
+        return (2 + 2 + k) * psi / n_d
+    raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
+
+
+def layer_activation_bytes(
+    shape: ModelShape,
+    *,
+    act_bytes: int,
+    lora_targets: Sequence[str] = LORA_TARGETS,
+    lora_rank: int = 16,
+    lora_dropout: float = 0.0,
+    full_finetune: bool = False,
+) -> tuple[float, float]:
+    """Bytes one decoder layer saves for backward, per token, as (hidden_part, sharded_part).
+
+    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", arXiv
+    2205.05198, Sec. 4.1) count s*b*h*(34 + 5*a*s/h) bytes per GPT layer in 16-bit with 1-byte dropout
+    masks: 11sbh for attention + 5as^2b for its score/softmax/dropout matrices, 19sbh for the 4h GELU MLP,
+    4sbh for two LayerNorms. A Qwen3 layer trained with LoRA on a frozen base differs, op by op (per token;
+    h hidden, q = heads*head_dim, kv = kv_heads*head_dim, i intermediate, a = activation dtype bytes):
+
+    - RMSNorm computes in fp32: `x.float().pow(2)` and `x * rsqrt(...)` save the fp32 input (a copy when the
+      stream is bf16) and the fp32 1/rms: 4(h + 1) for each of the two norms, 4(q + heads) + 4(kv + kv_heads)
+      for q_norm/k_norm. Frozen norm weights need nothing else.
+    - SDPA with a fused kernel (flash / memory-efficient) saves q, k, v, the output and an fp32 logsumexp per
+      head, never the s x s matrix: the 5as/h term is gone. a(2q + 2kv) + 4*heads. (GQA stays GQA only
+      without a padding mask; with one, transformers repeats k, v to all heads first.)
+    - SwiGLU: silu saves gate; silu(gate) * up saves both factors: 3ai. No dropout in Qwen3.
+    - Frozen base linears save no input (only the weight-gradient needs it). LoRA's A does: PEFT casts the
+      input to the fp32 adapter dtype, a private 4-byte copy per adapter on a bf16 stream, one shared tensor
+      on an fp32 stream (where o_proj's input is the SDPA output, saved already). LoRA dropout > 0 gives each
+      adapter its own fp32 dropout output plus a 1-byte mask. B saves A's output: 4r per adapter.
+    - full_finetune: every linear saves its input in the stream dtype (q/k/v share one, gate/up another,
+      o_proj's is the SDPA output) and each trainable norm weight saves its normalised input.
+
+    The hidden part (width h: the norms and the q/k/v/gate/up inputs) is replicated under tensor parallelism
+    without SP (Korthikanti's 10sbh); the rest is split across TP ranks by heads and intermediate columns.
+
+    For Qwen3-4B with adapters on all seven projections, r = 16, no dropout, the sum is 227,048 B per token
+    per layer on a bf16 stream (88.7h, against GPT's 34h: the 3.8h-wide SwiGLU and the fp32 copies that
+    RMSNorm and PEFT make) and 258,792 B on an fp32 stream. tests/test_memory.py checks the derivation
+    against the tensors autograd actually saves.
+    """
+    h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
+    a = act_bytes
+    hidden_part = 2 * FP32 * (h + 1)  # input_layernorm, post_attention_layernorm
+    sharded = FP32 * (q + shape.heads + kv + shape.kv_heads)  # q_norm, k_norm
+    sharded += a * (2 * q + 2 * kv) + FP32 * shape.heads  # SDPA
+    sharded += 3 * a * i  # SwiGLU
+    if full_finetune:
+        hidden_part += 2 * a * h  # the normalised inputs of the two norm weights
+        sharded += a * (q + kv)  # and of q_norm / k_norm
+    else:
+        hidden_part += FP32 * lora_rank * len(lora_targets)  # A's outputs, saved by B
+
+    inputs: dict[str, tuple[float, bool]] = {}  # storage -> (bytes, replicated under TP)
+    for name in LORA_TARGETS if full_finetune else lora_targets:
+        n_in = shape.linears()[name][0]
+        if full_finetune or (lora_dropout == 0 and a == FP32):
+            storage, nbytes = LINEAR_INPUT[name], a * n_in  # linears reading one tensor share it
+        elif lora_dropout > 0:
+            storage, nbytes = name, (FP32 + 1) * n_in  # the adapter's own fp32 dropout output + bool mask
+        else:
+            storage, nbytes = name, FP32 * n_in  # the adapter's own fp32 cast of a bf16 input
+        inputs[storage] = (nbytes, name not in ROW_PARALLEL)
+    inputs.pop("sdpa_out", None)  # saved by SDPA already
+    hidden_part += sum(nbytes for nbytes, replicated in inputs.values() if replicated)
+    sharded += sum(nbytes for nbytes, replicated in inputs.values() if not replicated)
+    return hidden_part, sharded
+
+
+@dataclass(frozen=True)
+class MemoryPrediction:
+    """Predicted bytes on the busiest GPU, by component."""
+
+    weights: float
+    lora: float
+    gradients: float
+    optimizer: float
+    activations: float
+    gathered: float = 0.0
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gathered + self.lora + self.gradients + self.optimizer + self.activations
+
+    def as_dict(self) -> dict[str, float]:
+        """Bytes per component plus the total, as plain floats (JSON-ready)."""
+        return {**{k: float(v) for k, v in dataclasses.asdict(self).items()}, "total": float(self.total)}
+
+    def gib(self, digits: int = 2) -> dict[str, float]:
+        """The same in GiB (2**30 bytes), rounded."""
+        return {k: round(v / GIB, digits) for k, v in self.as_dict().items()}
+
+
+def predict(
+    shape: ModelShape,
+    *,
+    technique: str = "single",
+    quant: str = "none",
+    dtype: str = "bf16",
+    world_size: int = 1,
+    tp: int = 1,
+    pp: int = 1,
+    sequence_parallel: bool = False,
+    lora_rank: int = 16,
+    lora_targets: Sequence[str] = LORA_TARGETS,
+    lora_dropout: float = 0.0,
+    full_finetune: bool = False,
+    kbit_upcast: bool = True,
+    micro_batch_size: int = 1,
+    seq_len: int = 2048,
+    grad_checkpointing: bool = True,
+    pp_schedule: str = "1f1b",
+    num_microbatches: int | None = None,
+    reshard_after_forward: bool = True,
+) -> MemoryPrediction:
+    """Predicted per-GPU memory for one training configuration, on the busiest rank / pipeline stage.
+
+    technique: "single"; "ddp" (replicas); "fsdp" (frozen base, adapters, gradients and optimizer state
+    sharded over the data-parallel ranks, each decoder layer its own FSDP2 unit); "tp" / "tp-sp" (the seven
+    projections sharded over tp ranks, norms and embeddings replicated, as in transformers' Qwen3 tp_plan;
+    "tp-sp" adds sequence parallelism); "pp" (layers split over pp stages, embedding on the first, final
+    norm + lm_head on the last, which holds its own copy of a tied embedding). For "tp"/"tp-sp"/"pp" the
+    degree defaults to world_size; the data-parallel degree is world_size / (tp * pp).
+    quant: "nf4" (QLoRA) or "none"; dtype: the base / compute dtype, "bf16" or "fp32".
+    lora_dropout > 0 costs activation memory (see `layer_activation_bytes`); full_finetune: the ZeRO baseline.
+
+    Assumptions, each a choice the experiment scripts make or a framework default:
+    - Activation dtype: `dtype`, except NF4 with `kbit_upcast` (peft's prepare_model_for_kbit_training): the
+      upcast fp32 embedding makes the residual stream, and so every activation, fp32 (there is no autocast).
+    - Checkpointing is non-reentrant and per decoder layer: each layer keeps its input (a*h per token) and
+      backward recomputes one layer at a time, so one layer's full activations are added once.
+    - Logits: the lm_head output (activation dtype) held by the model output, plus the fp32 log-softmax that
+      cross-entropy saves: (a + 4)*vocab per token. Under TP they are gathered (full vocab on every rank).
+    - FSDP2: at peak the current layer and the prefetched next one are unsharded (all layers with
+      reshard_after_forward=False), and the root unit (embeddings, final norm) stays unsharded throughout,
+      FSDP2's default for the root module.
+    - Sequence parallelism splits every saved activation by tp, Korthikanti et al.'s 34sbh/t: tensors are
+      saved sequence-sharded and all-gathered again in backward.
+    - PP: GPipe keeps all m micro-batches in flight on every stage; 1F1B keeps min(m, p - k) on stage k, so
+      min(m, p) on the first and 1 on the last. num_microbatches (m) defaults to pp.
+    - Every layer is counted alike, though layer 0 saves a little less: its input, the frozen embedding's
+      output, needs no gradient, so autograd skips its first norm's input (and q/k/v dropout masks).
+    """
+    if technique not in TECHNIQUES:
+        raise ValueError(f"technique must be one of {TECHNIQUES}, got {technique!r}")
+    if quant not in ("nf4", "none") or dtype not in DTYPE_BYTES:
+        raise ValueError(f"quant must be 'nf4' or 'none' and dtype 'bf16' or 'fp32', got {quant!r}, {dtype!r}")
+    if full_finetune and quant != "none":
+        raise ValueError("a full finetune trains every weight: it cannot use a frozen 4-bit base")
+    if technique in ("tp", "tp-sp") and tp == 1:
+        tp = world_size
+    if technique == "pp" and pp == 1:
+        pp = world_size
+    if shape.layers % pp or shape.kv_heads % tp:
+        raise ValueError(f"pp={pp} must divide {shape.layers} layers and tp={tp} the {shape.kv_heads} KV heads")
+    if world_size % (tp * pp):
+        raise ValueError(f"world_size={world_size} is not a multiple of tp*pp={tp * pp}")
+    sequence_parallel = sequence_parallel or technique == "tp-sp"
+    dp = world_size // (tp * pp)
+    shards = dp if technique == "fsdp" else 1
+
+    base_bytes = DTYPE_BYTES[dtype]
+    act = FP32 if quant == "nf4" and kbit_upcast else base_bytes
+    if full_finetune:  # ZeRO's mixed precision: bf16 weights and grads, fp32 master + 2 moments (K = 12)
+        linear_bytes = other_bytes = grad_bytes = base_bytes
+        optim_bytes = 12 if base_bytes == 2 else 8  # an fp32 model needs no master copy
+    else:
+        linear_bytes = NF4_BYTES_PER_PARAM if quant == "nf4" else base_bytes
+        other_bytes = FP32 if quant == "nf4" and kbit_upcast else base_bytes  # embeddings and norms
+        grad_bytes, optim_bytes = FP32, 8  # on the fp32 adapters only
+
+    layers = shape.layers // pp
+    layer_weights = shape.linear_params() / tp * linear_bytes + shape.norm_params() * other_bytes
+    layer_lora = 0 if full_finetune else lora_params(shape, lora_rank, lora_targets, tp) // shape.layers
+    tokens = micro_batch_size * seq_len
+    hidden_part, sharded_part = layer_activation_bytes(
+        shape,
+        act_bytes=act,
+        lora_targets=lora_targets,
+        lora_rank=lora_rank,
+        lora_dropout=lora_dropout,
+        full_finetune=full_finetune,
+    )
+    sp = tp if sequence_parallel else 1
+    layer_acts = tokens * (hidden_part / sp + sharded_part / tp)
+    kept_per_layer = tokens * act * shape.hidden / sp if grad_checkpointing else layer_acts
+    m = num_microbatches or pp
+    if pp_schedule not in ("gpipe", "1f1b"):
+        raise ValueError(f"pp_schedule must be 'gpipe' or '1f1b', got {pp_schedule!r}")
+
+    def stage(first: bool, last: bool) -> MemoryPrediction:
+        """One pipeline stage (the whole model when pp == 1)."""
+        in_flight = m if pp_schedule == "gpipe" else min(m, pp if first else 1)
+        # Outside the layers: the embedding on the first stage; the final norm and the lm_head on the last,
+        # where a tied lm_head is the embedding itself unless the two sit on different stages.
+        outside = first * shape.embedding_params()
+        if last:
+            outside += shape.hidden + (0 if shape.tied_embeddings and first else shape.embedding_params())
+        weights = layers * layer_weights + outside * other_bytes
+        n_base = layers * (shape.linear_params() / tp + shape.norm_params()) + outside
+        trainable = n_base if full_finetune else layers * layer_lora
+        lora = FP32 * layers * layer_lora
+        grads = grad_bytes * trainable * (2 if technique == "ddp" else 1)  # DDP: + its gradient buckets
+        optim = optim_bytes * trainable
+
+        gathered = 0.0
+        if technique == "fsdp":  # unsharded copies for compute, on top of the resident shards
+            layer_full = layer_weights + FP32 * layer_lora
+            gathered = outside * other_bytes + layer_full * (2 if reshard_after_forward else layers)
+
+        acts = in_flight * layers * kept_per_layer + 2 * seq_len * shape.head_dim * act  # + RoPE cos, sin
+        if grad_checkpointing:
+            acts += layer_acts  # the layer being recomputed in backward
+        if last:
+            final_norm = FP32 * (shape.hidden + 1) + (2 * act * shape.hidden if full_finetune else 0)
+            logits = (act + FP32) * shape.vocab
+            acts += in_flight * tokens * (final_norm / sp + logits)
+        return MemoryPrediction(
+            weights=weights / shards,
+            lora=lora / shards,
+            gradients=grads / shards,
+            optimizer=optim / shards,
+            activations=acts,
+            gathered=gathered,
+        )
+
+    candidates = [stage(True, True)] if pp == 1 else [stage(True, False), stage(False, True)]
+    return max(candidates, key=lambda p: p.total)

@@ -1,0 +1,268 @@
+"""Models and tokenizers: Qwen3-4B (bf16 or 4-bit NF4), `tiny` for CPU, and `qwen3-4b-shape` for GPU measurements.
+
+- `Qwen/Qwen3-4B` (or any local path / hub id): loaded with `from_pretrained`.
+- `tiny`: a random-init `Qwen3ForCausalLM` small enough for CPU, with a byte-level BPE tokenizer trained
+  offline and deterministically on the run's own AMI training text, carrying Qwen3's special tokens and a chat
+  template that renders the same prompt Qwen3's does. Built from the seed, so every script (and every rank)
+  builds the same model for the same seed.
+- `qwen3-4b-shape`: a random-init model with Qwen3-4B's exact config (no download), for throughput and memory
+  runs; it uses the tiny tokenizer (token ids only need to be in range for a throughput run).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+TINY = "tiny"
+QWEN3_4B_SHAPE = "qwen3-4b-shape"
+QWEN3_4B = "Qwen/Qwen3-4B"
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+# Qwen/Qwen3-4B's config.json (the fields that shape the network).
+QWEN3_4B_CONFIG = dict(
+    vocab_size=151936,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+# KV heads divide by 2 and 4 (tensor-parallel degrees), layers by 2 and 4 (pipeline stages).
+TINY_CONFIG = dict(
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=16,
+    max_position_embeddings=4096,
+    rope_theta=1_000_000.0,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=True,
+)
+TINY_VOCAB = 4096
+
+# The part of Qwen3's chat template this project uses: system/user/assistant turns and the generation prompt,
+# with Qwen3's empty think block when thinking is switched off.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}"
+    "{{- '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}"
+    "{{- '<think>\\n\\n</think>\\n\\n' }}"
+    "{%- endif %}"
+    "{%- endif %}"
+)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FTKIT_CACHE", Path.home() / ".cache" / "ftkit"))
+
+
+def _publish(tmp: Path, final: Path) -> None:
+    """Move a finished build into place; another process (another rank) may have won the race, which is fine
+    because builds are deterministic."""
+    try:
+        os.replace(tmp, final) if not final.exists() else shutil.rmtree(tmp)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def tiny_tokenizer(corpus: Iterable[str], vocab_size: int = TINY_VOCAB):
+    """A byte-level BPE `PreTrainedTokenizerFast` trained on `corpus`, cached by a hash of the corpus."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    texts = list(corpus)
+    digest = hashlib.sha256()
+    for t in texts:
+        digest.update(t.encode())
+    digest.update(f"v1-{vocab_size}".encode())
+    path = cache_dir() / f"tiny-tokenizer-{digest.hexdigest()[:16]}"
+    if not (path / "tokenizer.json").exists():
+        bpe = Tokenizer(models.BPE())
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        bpe.decoder = decoders.ByteLevel()
+        trainer = trainers.BpeTrainer(
+            vocab_size=vocab_size,
+            special_tokens=SPECIAL_TOKENS,
+            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+            show_progress=False,
+        )
+        bpe.train_from_iterator(texts, trainer=trainer)
+        tok = PreTrainedTokenizerFast(
+            tokenizer_object=bpe,
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            additional_special_tokens=SPECIAL_TOKENS[1:],
+        )
+        tok.chat_template = CHAT_TEMPLATE
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+        tok.save_pretrained(tmp)
+        _publish(tmp, path)
+    return PreTrainedTokenizerFast.from_pretrained(path)
+
+
+def load_tokenizer(model: str, train_texts: Iterable[str] | None = None):
+    if model in (TINY, QWEN3_4B_SHAPE):
+        if train_texts is None:
+            raise ValueError("the tiny tokenizer is trained on the run's training text: pass train_texts")
+        return tiny_tokenizer(train_texts)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model)
+
+
+def attention_implementation(device: torch.device) -> str:
+    """flash-attention-2 where it is installed and the device is CUDA; PyTorch SDPA otherwise."""
+    if device.type == "cuda":
+        try:
+            import flash_attn  # noqa: F401
+
+            return "flash_attention_2"
+        except ImportError:
+            print("flash-attn is not installed: using PyTorch SDPA attention (uv sync --extra flash-attn)")
+    return "sdpa"
+
+
+def model_config(model: str, vocab_size: int | None = None):
+    from transformers import Qwen3Config
+
+    if model == TINY:
+        return Qwen3Config(vocab_size=vocab_size or TINY_VOCAB, **TINY_CONFIG)
+    if model == QWEN3_4B_SHAPE:
+        return Qwen3Config(**QWEN3_4B_CONFIG)
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model)
+
+
+def bnb_config(compute_dtype: torch.dtype):
+    """QLoRA's NF4 with double quantization (Dettmers et al. 2023, arXiv 2305.14314)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+
+
+def _random_init(config, seed: int, dtype: torch.dtype, device: torch.device):
+    from transformers import Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = Qwen3ForCausalLM(config)
+    return model.to(dtype)
+
+
+def _random_init_checkpoint(model: str, config, seed: int) -> Path:
+    """Random-init weights saved once per (model, seed, config), so they can be loaded through the same
+    `from_pretrained(quantization_config=...)` path as a real checkpoint. bf16 storage, like the hub's."""
+    key = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:12]
+    path = cache_dir() / f"{model}-seed{seed}-{key}"
+    if not (path / "config.json").exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        weights = torch.float32 if model == TINY else torch.bfloat16
+        _random_init(config, seed, weights, device).save_pretrained(tmp)
+        _publish(tmp, path)
+    return path
+
+
+def _keep_cpu_4bit_layout(model) -> None:
+    """bitsandbytes (0.50) on an AVX512-BF16 CPU repacks a 4-bit weight, in place and for good, the first time
+    its layer runs in eval mode without grad, and the repacked kernel computes differently (logits 7e-3 apart
+    on the tiny model). An eval pass would then change every training step after it, so keep one layout."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            module.support_avx512bf16_for_cpu = False
+
+
+def load_model(
+    model: str,
+    *,
+    quant: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    seed: int,
+    vocab_size: int | None = None,
+):
+    """The base model, frozen-ready, on `device`. quant: "nf4" (QLoRA) or "none"."""
+    from transformers import AutoModelForCausalLM
+
+    config = model_config(model, vocab_size)
+    attn = attention_implementation(device)
+    if model in (TINY, QWEN3_4B_SHAPE) and quant == "none":
+        config._attn_implementation = attn
+        net = _random_init(config, seed, dtype, device)
+    else:
+        source = _random_init_checkpoint(model, config, seed) if model in (TINY, QWEN3_4B_SHAPE) else model
+        kwargs = dict(dtype=dtype, attn_implementation=attn, device_map={"": device})
+        if quant == "nf4":
+            kwargs["quantization_config"] = bnb_config(dtype)
+        net = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        if quant == "nf4" and device.type == "cpu":
+            _keep_cpu_4bit_layout(net)
+    net.config.use_cache = False  # no KV cache in training: it only costs memory, and checkpointing disables it
+    return net
+
+
+def lora_config(rank: int, alpha: float, dropout: float):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(LORA_TARGETS),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model, rank: int, alpha: float, dropout: float, seed: int):
+    """PEFT LoRA on all seven projections; the adapter's random init (lora_A) is seeded so that every
+    technique starts from the same adapter."""
+    from peft import get_peft_model
+
+    torch.manual_seed(seed + 1)
+    return get_peft_model(model, lora_config(rank, alpha, dropout))
+
+
+def parameter_counts(model) -> dict[str, int]:
+    """Trainable and frozen element counts. A 4-bit `Params4bit` stores two values per byte, so its numel is
+    half the logical count: count its logical shape instead."""
+    trainable = frozen = 0
+    for p in model.parameters():
+        shape = getattr(getattr(p, "quant_state", None), "shape", None)
+        n = int(torch.Size(shape).numel()) if shape is not None else p.numel()
+        if p.requires_grad:
+            trainable += n
+        else:
+            frozen += n
+    return {"trainable": trainable, "frozen": frozen}

@@ -1,0 +1,390 @@
+"""The common command line, run directories, checkpoints and RNG state: what every train.py shares.
+
+A run directory holds `config.json` (resolved args, versions, hardware, world size), `metrics.jsonl`,
+`summary.json`, `adapter/` (a stock PEFT adapter) and `checkpoints/step-N/`. Runs never overwrite each other:
+without --output-dir a run gets a fresh timestamped folder under runs/<experiment>/, and `latest` points at it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import random
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+from ftkit.data import SAMPLE_DATA
+
+DEFAULT_DATA = "TalTechNLP/AMIsum"
+DEFAULT_DATA_REVISION = "refs/convert/parquet"
+RUNS = Path("runs")
+
+# Flags whose change would make a resumed run a different run (other data, other batches, other schedule).
+RESUME_MUST_MATCH = (
+    "model",
+    "data",
+    "seed",
+    "max_steps",
+    "max_length",
+    "batch_size",
+    "lr",
+    "warmup_steps",
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "quant",
+    "dtype",
+    "weight_decay",
+    "max_grad_norm",
+)
+
+
+class RunError(RuntimeError):
+    """A problem with the run's setup; the message says how to fix it."""
+
+
+def common_parser(description: str, experiment: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.set_defaults(experiment=experiment)
+    g = p.add_argument_group("common flags (every experiment)")
+    g.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU walkthrough: tiny random Qwen3, fp32, gloo; defaults below marked [smoke] apply",
+    )
+    g.add_argument(
+        "--model",
+        default=None,
+        help="Qwen/Qwen3-4B, a local path, 'tiny' or 'qwen3-4b-shape' (random init, exact 4B config) "
+        "[default: Qwen/Qwen3-4B; smoke: tiny]",
+    )
+    g.add_argument(
+        "--data",
+        default=None,
+        help=f"QMSum-format folder or hub dataset id [default: {DEFAULT_DATA}; smoke: the shipped synthetic sample]",
+    )
+    g.add_argument("--data-revision", default=None, help=f"hub revision [default: {DEFAULT_DATA_REVISION}]")
+    g.add_argument(
+        "--output-dir",
+        type=Path,
+        default=None,
+        help="run directory [default: a new runs/<experiment>[-smoke]/<time>/]",
+    )
+    g.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        help="continue a run: a run directory or checkpoint; bare --resume takes this experiment's latest run",
+    )
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-steps", type=int, default=None, help="optimizer steps [100; smoke: 30]")
+    g.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="exit after this step as if interrupted (schedule still spans --max-steps); "
+        "for time-boxed jobs, continue with --resume",
+    )
+    g.add_argument("--max-length", type=int, default=None, help="tokens per sequence [2048; smoke: 512]")
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="GLOBAL batch: sequences per optimizer step, whatever the number of GPUs [16; smoke: 8]",
+    )
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="sequences per rank per forward; accumulation = batch / (micro x data-parallel ranks) [2; smoke: 2]",
+    )
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate [2e-4; smoke: 2e-3]")
+    g.add_argument("--warmup-steps", type=int, default=None, help="linear warmup, then cosine [10; smoke: 3]")
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    g.add_argument("--lora-rank", type=int, default=16)
+    g.add_argument("--lora-alpha", type=float, default=32.0)
+    g.add_argument(
+        "--lora-dropout",
+        type=float,
+        default=None,
+        help="[0.05; smoke: 0.0, so runs of different techniques are comparable step by step]",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=["bf16", "fp32"],
+        default=None,
+        help="compute dtype [bf16; smoke: fp32, for exact parity between techniques]",
+    )
+    g.add_argument(
+        "--no-grad-checkpointing",
+        dest="grad_checkpointing",
+        action="store_false",
+        help="keep all activations instead of recomputing each layer in backward",
+    )
+    g.add_argument("--eval-every", type=int, default=None, help="eval loss on held-out meetings [25; smoke: 10]")
+    g.add_argument("--eval-examples", type=int, default=None, help="held-out examples per eval [64; smoke: 16]")
+    g.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps [50; smoke: 10]")
+    g.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept")
+    g.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="print one JSON line per step instead of a progress bar",
+    )
+    return p
+
+
+SMOKE = dict(
+    model="tiny",
+    data=str(SAMPLE_DATA),
+    max_steps=30,
+    max_length=512,
+    batch_size=8,
+    micro_batch_size=2,
+    lr=2e-3,
+    warmup_steps=3,
+    lora_dropout=0.0,
+    dtype="fp32",
+    eval_every=10,
+    eval_examples=16,
+    save_every=10,
+)
+REAL = dict(
+    model="Qwen/Qwen3-4B",
+    data=DEFAULT_DATA,
+    max_steps=100,
+    max_length=2048,
+    batch_size=16,
+    micro_batch_size=2,
+    lr=2e-4,
+    warmup_steps=10,
+    lora_dropout=0.05,
+    dtype="bf16",
+    eval_every=25,
+    eval_examples=64,
+    save_every=50,
+)
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the scale-dependent defaults (smoke or real) and check the flags before anything expensive."""
+    for key, value in (SMOKE if args.smoke else REAL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.data_revision is None and args.data == DEFAULT_DATA:
+        args.data_revision = DEFAULT_DATA_REVISION
+    for key in (
+        "max_steps",
+        "max_length",
+        "batch_size",
+        "micro_batch_size",
+        "lora_rank",
+        "eval_every",
+        "save_every",
+        "eval_examples",
+    ):
+        if getattr(args, key) <= 0:
+            raise RunError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    if args.stop_after is not None and not 0 < args.stop_after <= args.max_steps:
+        raise RunError(f"--stop-after must be in 1..--max-steps ({args.max_steps}), got {args.stop_after}")
+    return args
+
+
+def device_for(args: argparse.Namespace, local_rank: int = 0) -> torch.device:
+    """CUDA for the real job, CPU only when asked for with --smoke: the scale is a flag, never a fallback."""
+    if args.smoke:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        script = " ".join(sys.argv)
+        raise RunError(
+            "no CUDA device found, and this script trains Qwen3-4B on GPUs. For the CPU walkthrough (tiny "
+            f"Qwen3, real AMI text) add --smoke:\n    {script} --smoke --data ../shared/data/qmsum-ami"
+        )
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def fail(message: str) -> None:
+    """Exit with a clear message and no traceback."""
+    print(f"error: {message}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+# ------------------------------------------------------------------------------------------- run dirs
+
+
+def experiment_root(args: argparse.Namespace) -> Path:
+    return RUNS / (args.experiment + ("-smoke" if args.smoke else ""))
+
+
+def resolve_run_dir(args: argparse.Namespace) -> tuple[Path, Path | None]:
+    """(run directory, checkpoint to resume from or None). Refuses to write into a directory that already
+    holds a run unless resuming it, so nothing a user had is overwritten."""
+    if args.resume:
+        target = experiment_root(args) / "latest" if args.resume == "latest" else Path(args.resume)
+        if not target.exists():
+            raise RunError(f"--resume {args.resume}: {target} does not exist")
+        target = target.resolve()
+        if target.parent.name == "checkpoints":
+            return target.parent.parent, target
+        ckpt = latest_checkpoint(target)
+        if ckpt is None:
+            raise RunError(f"--resume: {target} holds no checkpoint (checkpoints/step-N/); nothing to resume")
+        return target, ckpt
+    run_dir = args.output_dir or experiment_root(args) / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if (run_dir / "config.json").exists() or (run_dir / "metrics.jsonl").exists():
+        raise RunError(
+            f"{run_dir} already holds a run: pass --resume {run_dir} to continue it, or another --output-dir"
+        )
+    return run_dir, None
+
+
+def init_run_dir(run_dir: Path, args: argparse.Namespace, config: dict, resume_step: int | None) -> None:
+    """Rank 0: create the run dir, write config.json, point `latest` at it. On resume, check the flags that
+    define the run are unchanged, and set aside metric rows past the checkpoint (kept in a side file)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    cfg_path = run_dir / "config.json"
+    if resume_step is not None and cfg_path.exists():
+        old = json.loads(cfg_path.read_text())["args"]
+        changed = [k for k in RESUME_MUST_MATCH if k in old and old[k] != config["args"].get(k)]
+        if changed:
+            diffs = ", ".join(f"--{k.replace('_', '-')} {old[k]} -> {config['args'].get(k)}" for k in changed)
+            raise RunError(f"--resume with different flags ({diffs}); use the run's own flags (see {cfg_path})")
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists():
+            rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+            later = [r for r in rows if r["step"] > resume_step]
+            if later:
+                side = run_dir / f"metrics.before-resume-at-{resume_step}.jsonl"
+                shutil.copy(metrics, side)
+                metrics.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= resume_step))
+        config = {**config, "resumed_from_step": resume_step}
+    cfg_path.write_text(json.dumps(config, indent=2, default=str))
+    if run_dir.parent.resolve() == experiment_root(argparse.Namespace(**config["args"])).resolve():
+        link = run_dir.parent / "latest"
+        tmp = run_dir.parent / f".latest-{os.getpid()}"
+        tmp.unlink(missing_ok=True)
+        tmp.symlink_to(run_dir.name)
+        os.replace(tmp, link)
+
+
+def args_dict(args: argparse.Namespace) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+
+
+# ----------------------------------------------------------------------------------------- checkpoints
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    steps = [
+        (int(m.group(1)), p)
+        for p in (run_dir / "checkpoints").glob("step-*")
+        if (m := re.fullmatch(r"step-(\d+)", p.name)) and (p / "trainer_state.json").exists()
+    ]
+    return max(steps)[1] if steps else None
+
+
+def staging_dir(run_dir: Path, step: int) -> Path:
+    """A fresh folder to write checkpoint `step` into; `commit_checkpoint` moves it into place, so a crash
+    mid-save never leaves a half-written checkpoint that --resume would pick."""
+    path = run_dir / "checkpoints" / f".tmp-step-{step}"
+    shutil.rmtree(path, ignore_errors=True)
+    path.mkdir(parents=True)
+    return path
+
+
+def commit_checkpoint(tmp: Path, step: int, state: dict, keep: int) -> Path:
+    (tmp / "trainer_state.json").write_text(json.dumps({"step": step, **state}, indent=2))
+    final = tmp.parent / f"step-{step}"
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    done = sorted(
+        (int(p.name.split("-")[1]), p) for p in tmp.parent.glob("step-*") if re.fullmatch(r"step-\d+", p.name)
+    )
+    for _, old in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def read_checkpoint_state(ckpt: Path, required: tuple[str, ...]) -> dict:
+    """trainer_state.json of a checkpoint, after checking the files the script needs are there."""
+    try:
+        state = json.loads((ckpt / "trainer_state.json").read_text())
+        int(state["step"])
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{ckpt}: unreadable trainer_state.json ({e}); resume from an older checkpoint") from e
+    missing = [f for f in required if not (ckpt / f).exists()]
+    if missing:
+        raise CheckpointError(f"{ckpt}: incomplete checkpoint, missing {', '.join(missing)}")
+    return state
+
+
+def load_torch(path: Path, **kwargs):
+    try:
+        return torch.load(path, weights_only=False, **kwargs)
+    except Exception as e:
+        raise CheckpointError(f"{path}: corrupt or unreadable ({type(e).__name__}: {e})") from e
+
+
+def rng_state() -> dict:
+    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def write_summary(run_dir: Path, summary: dict) -> None:
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+
+
+# ---------------------------------------------------------------------------------------------- eval
+
+
+def eval_micro_batches(encoded: list, n_examples: int, micro_batch_size: int, rank: int = 0, world: int = 1):
+    """A fixed held-out set (the first n examples, longest first to pad little), cut into micro-batches and
+    dealt round-robin to ranks."""
+    from ftkit.data import collate
+
+    chosen = sorted(encoded[:n_examples], key=lambda e: -len(e.input_ids))
+    chunks = [chosen[i : i + micro_batch_size] for i in range(0, len(chosen), micro_batch_size)]
+    return [collate(c) for c in chunks[rank::world]]
+
+
+@torch.no_grad()
+def eval_loss_sums(model, micro_batches: list[dict], device: torch.device) -> torch.Tensor:
+    """[sum of token losses, target tokens] over these micro-batches, as a tensor ready for an all-reduce."""
+    from ftkit.data import token_loss_sum
+
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=device)
+    for mb in micro_batches:
+        mb = {k: v.to(device) for k, v in mb.items()}
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+        sums[0] += token_loss_sum(logits, mb["labels"]).double()
+        sums[1] += (mb["labels"][:, 1:] != -100).sum()
+    model.train(was_training)
+    return sums

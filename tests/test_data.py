@@ -1,0 +1,188 @@
+"""AMI loading, Qwen3 chat formatting, masking, trimming and batching."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from ftkit import data, models
+
+
+@pytest.fixture(scope="module")
+def splits(data_dir):
+    return data.load_splits(str(data_dir))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(splits):
+    return models.load_tokenizer("tiny", data.corpus(splits["train"]))
+
+
+def test_splits_are_by_meeting(splits):
+    meetings = {s: {ex.meeting_id for ex in exs} for s, exs in splits.items()}
+    assert all(meetings.values())
+    assert not meetings["train"] & meetings["val"]
+    assert not meetings["train"] & meetings["test"]
+    assert not meetings["val"] & meetings["test"]
+    leaked = {"train": splits["train"][:1], "test": splits["train"][:1]}
+    with pytest.raises(data.DataError, match="both train and test"):
+        data.check_split_by_meeting(leaked)
+
+
+def test_examples_are_spans_and_whole_meetings(splits):
+    kinds = {ex.kind for ex in splits["train"]}
+    assert kinds == {"span", "meeting"}
+    span = next(ex for ex in splits["train"] if ex.kind == "span")
+    assert span.transcript and span.query and span.answer
+    assert ":" in span.transcript.splitlines()[0]  # "Speaker: content" turns
+
+
+def test_chat_format_and_loss_mask(tokenizer, splits):
+    fmt = data.ChatFormatter(tokenizer, max_length=4096)
+    ex = next(ex for ex in splits["train"] if ex.kind == "span")
+    enc, why = fmt.encode(ex)
+    assert why is None and len(enc.input_ids) == len(enc.labels)
+    text = tokenizer.decode(enc.input_ids)
+    # Qwen3's format with thinking off: user turn, then the assistant turn behind an empty think block.
+    assert text.startswith("<|im_start|>user\nMeeting transcript:\n")
+    assert f"{ex.query}<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n" in text
+    # The loss is on the answer and its closing <|im_end|>, on nothing else.
+    target = [t for t in enc.labels if t != data.IGNORE_INDEX]
+    assert tokenizer.decode(target) == ex.answer + "<|im_end|>"
+    first = enc.labels.index(target[0])
+    assert all(t == data.IGNORE_INDEX for t in enc.labels[:first])
+    assert enc.input_ids[first:] == target
+
+
+def test_trimming_keeps_answers_whole(tokenizer, splits):
+    fmt = data.ChatFormatter(tokenizer, max_length=256)
+    encoded, stats = fmt.encode_all(splits["train"])
+    assert stats.trimmed > 0 and stats.kept == len(encoded)
+    assert stats.kept + sum(stats.dropped.values()) == stats.examples == len(splits["train"])
+    assert all(len(e.input_ids) <= 256 for e in encoded)
+    kept = [ex for ex in splits["train"] if fmt.encode(ex)[0] is not None]
+    for ex, enc in zip(kept, encoded):
+        answer = tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [fmt.eos_id]
+        assert [t for t in enc.labels if t != data.IGNORE_INDEX] == answer
+    # Whole-meeting summaries are kept only where the whole transcript fits.
+    assert stats.dropped.get("whole meeting longer than --max-length", 0) > 0
+    assert all(not ex.trimmable or ex.kind == "span" for ex in kept if fmt.encode(ex)[0].trimmed)
+
+
+def test_answer_longer_than_max_length_is_dropped(tokenizer):
+    fmt = data.ChatFormatter(tokenizer, max_length=64)
+    ex = data.Example("m", "span", "What?", "A: hi\nB: hello", "word " * 200)
+    enc, why = fmt.encode(ex)
+    assert enc is None and why == "answer too long for --max-length"
+
+
+def test_tiny_tokenizer_is_deterministic(tmp_path, monkeypatch, splits):
+    texts = data.corpus(splits["val"])
+    files = []
+    for name in ("a", "b"):
+        monkeypatch.setenv("FTKIT_CACHE", str(tmp_path / name))
+        models.tiny_tokenizer(texts, vocab_size=1024)
+        (built,) = (tmp_path / name).glob("tiny-tokenizer-*/tokenizer.json")
+        files.append(built.read_text())
+    assert files[0] == files[1]
+
+
+@pytest.fixture(scope="module")
+def encoded(tokenizer, splits):
+    return data.ChatFormatter(tokenizer, max_length=256).encode_all(splits["train"])[0]
+
+
+def test_batches_are_deterministic_for_a_seed(encoded):
+    a, b = data.GlobalBatches(encoded, 8, seed=3), data.GlobalBatches(encoded, 8, seed=3)
+    steps = range(0, 3 * a.per_epoch)  # across epoch boundaries
+    assert [a.indices(s) for s in steps] == [b.indices(s) for s in steps]
+    other = data.GlobalBatches(encoded, 8, seed=4)
+    assert [a.indices(s) for s in steps] != [other.indices(s) for s in steps]
+    # Every epoch visits distinct examples, each once.
+    epoch = [i for s in range(a.per_epoch) for i in a.indices(s)]
+    assert len(epoch) == len(set(epoch)) == a.per_epoch * 8
+
+
+def test_length_grouping_pads_less_than_random(tokenizer, splits):
+    encoded = data.ChatFormatter(tokenizer, max_length=2048).encode_all(splits["train"])[0]
+
+    def padding(batches):
+        total = 0
+        for s in range(batches.per_epoch):
+            lens = [len(encoded[i].input_ids) for i in batches.indices(s)]
+            total += max(lens) * len(lens) - sum(lens)
+        return total
+
+    grouped = data.GlobalBatches(encoded, 8, seed=0)
+    ungrouped = data.GlobalBatches(encoded, 8, seed=0, group=1)
+    assert padding(grouped) < padding(ungrouped)
+
+
+@pytest.mark.parametrize("world,micro", [(2, 1), (2, 2), (4, 1), (4, 2)])
+def test_rank_shards_union_is_the_global_batch(encoded, world, micro):
+    batches = data.GlobalBatches(encoded, 8, seed=1)
+
+    def rows(mbs):
+        return sorted(tuple(r[m.bool()].tolist()) for mb in mbs for r, m in zip(mb["input_ids"], mb["attention_mask"]))
+
+    for step in (0, 1, batches.per_epoch + 1):
+        single = rows(batches.micro_batches(step, micro_batch_size=1))
+        shards = [batches.micro_batches(step, micro, rank=r, world=world) for r in range(world)]
+        assert all(len(s) == 8 // (micro * world) for s in shards)
+        assert sorted(x for r in range(world) for x in rows(shards[r])) == single
+        n_target = sum(int((mb["labels"] != data.IGNORE_INDEX).sum()) for s in shards for mb in s)
+        assert n_target == batches.n_target(step)
+
+
+def test_batch_that_does_not_divide_is_refused():
+    with pytest.raises(data.DataError, match="not a multiple"):
+        data.accumulation_steps(batch_size=10, micro_batch_size=4, data_parallel=1)
+    with pytest.raises(data.DataError, match="not a multiple"):
+        data.accumulation_steps(batch_size=8, micro_batch_size=2, data_parallel=3)
+    assert data.accumulation_steps(16, 2, 4) == 2
+
+
+def test_missing_and_malformed_data(tmp_path, data_dir):
+    with pytest.raises(data.DataError, match="does not exist"):
+        data.load_splits(str(tmp_path / "nope"))
+    bad = tmp_path / "bad"
+    shutil.copytree(data_dir, bad)
+    victim = sorted((bad / "train").glob("*.json"))[0]
+    victim.write_text("{not json")
+    with pytest.raises(data.DataError, match=victim.name):
+        data.load_splits(str(bad))
+    meeting = json.loads(sorted((data_dir / "train").glob("*.json"))[0].read_text())
+    del meeting["meeting_transcripts"]
+    victim.write_text(json.dumps(meeting))
+    with pytest.raises(data.DataError, match="QMSum's meeting format"):
+        data.load_splits(str(bad))
+
+
+def test_hub_schema_parsing_offline(tmp_path, splits):
+    """The hub path (`datasets.load_dataset(id)` -> splits) on a local parquet file of the same schema."""
+    import datasets
+
+    meetings = [ex for ex in splits["train"] + splits["val"] if ex.kind == "meeting"]
+    rows = [{"id": ex.meeting_id, "transcript": ex.transcript, "summary": ex.answer} for ex in meetings]
+    for name, part in (("train", rows[:-2]), ("validation", rows[-2:-1]), ("test", rows[-1:])):
+        datasets.Dataset.from_list(part).to_parquet(str(tmp_path / f"{name}.parquet"))
+    dd = datasets.load_dataset(
+        "parquet", data_files={n: str(tmp_path / f"{n}.parquet") for n in ("train", "validation", "test")}
+    )
+    out = data.hub_dataset_to_splits(dd, "local-parquet")
+    assert [len(out[s]) for s in data.SPLITS] == [len(rows) - 2, 1, 1]
+    ex = out["val"][0]
+    assert (ex.meeting_id, ex.answer, ex.kind, ex.trimmable) == (
+        rows[-2]["id"],
+        rows[-2]["summary"],
+        "meeting",
+        True,
+    )
+    # One split only: divided by a hash of the meeting id, never by example.
+    single = data.hub_dataset_to_splits(datasets.DatasetDict({"train": dd["train"]}), "one-split")
+    assert sum(len(v) for v in single.values()) == len(rows) - 2
+    wrong = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"dialog_text": "x", "abstract": "y"}])})
+    with pytest.raises(data.DataError, match="no transcript column"):
+        data.hub_dataset_to_splits(wrong, "wrong-schema")

@@ -1,0 +1,51 @@
+"""FLOPs/MFU convention on a hand-computed case, and the memory/hardware readings."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from ftkit import metrics
+
+
+def test_step_flops_by_hand():
+    cfg = SimpleNamespace(
+        num_hidden_layers=2,
+        hidden_size=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        intermediate_size=16,
+        vocab_size=10,
+    )
+    # Per layer: q and o are 8x(2*4) = 64 each, k and v 8x(1*4) = 32 each, gate/up/down 8x16 = 128 each.
+    per_layer = 64 + 64 + 32 + 32 + 3 * 128
+    assert per_layer == 576
+    n_frozen = 2 * per_layer + 10 * 8  # + lm_head
+    assert metrics.matmul_params(cfg) == n_frozen == 1232
+    n_lora = 100
+    # Two sequences of 3 and 5 real tokens: 4*N_frozen + 6*N_lora per token, plus causal attention
+    # 6 * layers * (heads * head_dim) * s per token, i.e. 6 * 2 * 8 * s^2 per sequence.
+    expected = (3 + 5) * (4 * 1232 + 6 * 100) + 6 * 2 * 8 * (3**2 + 5**2)
+    assert expected == 47488
+    assert metrics.step_flops([3, 5], cfg, n_lora) == expected
+
+
+def test_peak_flops_table():
+    assert metrics.peak_flops(torch.device("cpu")) is None
+    names = dict(metrics.PEAK_BF16_FLOPS)
+    assert names["H100"] == 989e12 and names["H100 PCIe"] == 756e12
+    # The most specific name must come first so "H100 PCIe" is not read as an SXM H100.
+    keys = [k for k, _ in metrics.PEAK_BF16_FLOPS]
+    assert keys.index("H100 PCIe") < keys.index("H100")
+
+
+def test_cpu_peak_memory_sees_an_allocation():
+    cpu = torch.device("cpu")
+    metrics.reset_peak_memory(cpu)
+    before = metrics.peak_memory(cpu)["peak_rss"]
+    block = torch.ones(64 * 2**20 // 4)  # 64 MiB, touched
+    after = metrics.peak_memory(cpu)["peak_rss"]
+    assert after - before >= 60 * 2**20
+    del block

@@ -1,0 +1,181 @@
+"""experiments/single-gpu-ft: the CPU walkthrough trains, resumes exactly, saves a stock PEFT adapter, infers,
+and refuses bad input with a clear message."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from conftest import run_script
+
+TRAIN = "experiments/single-gpu-ft/train.py"
+INFER = "experiments/single-gpu-ft/infer.py"
+# Small enough for CI, long enough for the loss to move: 10 steps of 8 sequences of <= 256 tokens.
+FLAGS = [
+    "--smoke",
+    "--max-steps",
+    "10",
+    "--max-length",
+    "256",
+    "--eval-every",
+    "5",
+    "--save-every",
+    "5",
+    "--eval-examples",
+    "8",
+    "--no-progress",
+]
+
+
+def losses(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["step"] for r in rows], [r["loss"] for r in rows]
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory, data_dir):
+    out = tmp_path_factory.mktemp("single") / "full"
+    proc = run_script(TRAIN, *FLAGS, "--data", str(data_dir), "--output-dir", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def test_smoke_run_writes_a_run_directory(full_run):
+    summary = json.loads((full_run / "summary.json").read_text())
+    config = json.loads((full_run / "config.json").read_text())
+    assert summary["status"] == "completed" and summary["steps_run"] == 10
+    assert config["args"]["quant"] == "nf4" and config["args"]["model"] == "tiny"
+    assert {"torch", "transformers", "peft", "bitsandbytes"} <= set(summary["versions"])
+    assert summary["hardware"]["device"] == "cpu" and summary["hardware"]["world_size"] == 1
+    assert summary["median_tokens_per_s"] > 0 and summary["max_peak_rss"] > 0
+    assert summary["median_mfu"] if "median_mfu" in summary else summary["peak_flops"] is None
+    assert summary["memory_predicted"]["total"] > 0
+    rows = [json.loads(line) for line in (full_run / "metrics.jsonl").read_text().splitlines()]
+    keys = {
+        "step",
+        "loss",
+        "lr",
+        "target_tokens",
+        "tokens",
+        "step_time_s",
+        "tokens_per_s",
+        "peak_rss",
+        "grad_norm",
+    }
+    assert all(keys <= set(r) for r in rows)
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert sum("eval_loss" in r for r in rows) == 2
+    assert sorted(p.name for p in (full_run / "checkpoints").iterdir()) == ["step-10", "step-5"]
+
+
+def test_smoke_loss_falls(full_run):
+    _, loss = losses(full_run)
+    assert sum(loss[-3:]) / 3 < sum(loss[:3]) / 3 - 0.05, loss
+    rows = [json.loads(line) for line in (full_run / "metrics.jsonl").read_text().splitlines()]
+    evals = [r["eval_loss"] for r in rows if "eval_loss" in r]
+    assert evals[-1] < evals[0], evals
+
+
+def test_resume_continues_with_the_same_losses(full_run, tmp_path, data_dir):
+    out = tmp_path / "resumed"
+    first = run_script(TRAIN, *FLAGS, "--data", str(data_dir), "--output-dir", str(out), "--stop-after", "5")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert not (out / "adapter").exists() and (out / "checkpoints" / "step-5").is_dir()
+    second = run_script(TRAIN, *FLAGS, "--data", str(data_dir), "--resume", str(out))
+    assert second.returncode == 0, second.stderr[-3000:]
+    steps, resumed = losses(out)
+    _, uninterrupted = losses(full_run)
+    assert steps == list(range(1, 11))
+    assert max(abs(a - b) for a, b in zip(resumed, uninterrupted)) <= 1e-6, (resumed, uninterrupted)
+    a = torch.load(out / "checkpoints" / "step-10" / "optimizer.pt", weights_only=False)["optimizer"]
+    b = torch.load(full_run / "checkpoints" / "step-10" / "optimizer.pt", weights_only=False)["optimizer"]
+    assert all(torch.allclose(a["state"][k]["exp_avg"], b["state"][k]["exp_avg"], atol=1e-7) for k in a["state"])
+
+
+def test_adapter_loads_with_stock_peft(full_run, data_dir):
+    from peft import PeftModel
+    from safetensors.torch import load_file
+
+    from ftkit import data, models
+
+    adapter = full_run / "adapter"
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == 16 and set(config["target_modules"]) == set(models.LORA_TARGETS)
+    splits = data.load_splits(str(data_dir))
+    tok = models.load_tokenizer("tiny", data.corpus(splits["train"]))
+    base = models.load_model(
+        "tiny", quant="nf4", dtype=torch.float32, device=torch.device("cpu"), seed=0, vocab_size=len(tok)
+    )
+    model = PeftModel.from_pretrained(base, adapter)
+    saved = load_file(adapter / "adapter_model.safetensors")
+    loaded = {k: v for k, v in model.state_dict().items() if "lora_" in k}
+    assert len(saved) == len(loaded) == 4 * 7 * 2
+    for key, tensor in saved.items():
+        match = [v for k, v in loaded.items() if k.replace(".default", "").endswith(key.split("base_model.model.")[-1])]
+        assert len(match) == 1 and torch.equal(match[0], tensor), key
+    assert any(t.abs().sum() > 0 for k, t in saved.items() if "lora_B" in k)  # trained, not the zero init
+
+
+def test_infer_reports_rouge_for_base_and_finetuned(full_run):
+    proc = run_script(INFER, "--smoke", "--run", str(full_run), "--num-examples", "2", "--max-new-tokens", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ROUGE F1" in proc.stdout
+    result = json.loads((full_run / "infer-test.json").read_text())
+    assert len(result["examples"]) == 2 and set(result["rouge"]) == {"base", "finetuned"}
+    assert all(e["reference"] for e in result["examples"])
+
+
+def test_no_cuda_without_smoke_is_refused():
+    proc = run_script(TRAIN, "--max-steps", "1", env={"CUDA_VISIBLE_DEVICES": ""})
+    assert proc.returncode != 0
+    assert "no CUDA device" in proc.stderr and "--smoke" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_missing_data_folder_is_refused(tmp_path):
+    proc = run_script(TRAIN, "--smoke", "--data", str(tmp_path / "absent"), "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode != 0 and "does not exist" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_malformed_meeting_file_is_refused(tmp_path, data_dir):
+    bad = tmp_path / "bad"
+    shutil.copytree(data_dir, bad)
+    victim = sorted((bad / "val").glob("*.json"))[0]
+    victim.write_text('{"meeting_transcripts": [{"speaker": "A"}]}')
+    proc = run_script(TRAIN, "--smoke", "--data", str(bad), "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode != 0 and victim.name in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_batch_that_does_not_divide_is_refused(tmp_path, data_dir):
+    proc = run_script(
+        TRAIN,
+        "--smoke",
+        "--data",
+        str(data_dir),
+        "--batch-size",
+        "6",
+        "--micro-batch-size",
+        "4",
+        "--output-dir",
+        str(tmp_path / "o"),
+    )
+    assert proc.returncode != 0 and "not a multiple" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_existing_run_is_not_overwritten(full_run, data_dir):
+    before = (full_run / "metrics.jsonl").read_text()
+    proc = run_script(TRAIN, *FLAGS, "--data", str(data_dir), "--output-dir", str(full_run))
+    assert proc.returncode != 0 and "already holds a run" in proc.stderr
+    assert (full_run / "metrics.jsonl").read_text() == before
+
+
+def test_corrupt_checkpoint_is_refused(full_run, tmp_path, data_dir):
+    copy = tmp_path / "copy"
+    shutil.copytree(full_run, copy)
+    (copy / "checkpoints" / "step-10" / "optimizer.pt").write_bytes(b"garbage")
+    proc = run_script(TRAIN, *FLAGS, "--data", str(data_dir), "--resume", str(copy / "checkpoints" / "step-10"))
+    assert proc.returncode != 0 and "corrupt" in proc.stderr and "Traceback" not in proc.stderr
