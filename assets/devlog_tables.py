@@ -1,0 +1,109 @@
+"""Regenerate a devlog's tables from the run summaries committed beside it.
+
+    uv run python assets/devlog_tables.py single-gpu-ft
+
+reads every `devlogs/runs/<experiment>/<run>/summary.json` and rewrites the part of `devlogs/<experiment>.md`
+between `<!-- tables:begin -->` and `<!-- tables:end -->`. Numbers in a devlog are never typed by hand.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
+# Flags that every run sets on its own (paths) or that do not change what is measured.
+IGNORED_FLAGS = {"output_dir", "resume", "progress", "experiment", "data", "stop_after", "data_revision"}
+
+
+def hardware(summary: dict) -> str:
+    hw = summary["hardware"]
+    if hw["device"] == "cuda":
+        return f"{hw['gpu']} x{hw['world_size']}"
+    return f"CPU ({hw['cpu_count']} cores) x{hw['world_size']}"
+
+
+def peak_memory(summary: dict) -> str:
+    if "max_peak_allocated" in summary:
+        return f"{summary['max_peak_allocated'] / 2**30:.2f} GiB alloc"
+    return f"{summary['max_peak_rss'] / 2**30:.2f} GiB RSS"
+
+
+def fmt(x, digits: int = 4) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def tables(summaries: dict[str, dict]) -> str:
+    names = sorted(summaries)
+    flags = sorted(
+        {
+            k
+            for s in summaries.values()
+            for k in s["config"]
+            if k not in IGNORED_FLAGS and len({json.dumps(o["config"].get(k)) for o in summaries.values()}) > 1
+        }
+    )
+    comm = any("comm_bytes_per_step" in s for s in summaries.values())
+    head = ["run", "hardware", "steps", "final loss", "eval loss", "tokens/s (median)", "step time s (median)"]
+    head += ["MFU (median)", "peak memory (measured)", "memory model total"]
+    if comm:
+        head += ["comm bytes/step", "collectives/step"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for n in names:
+        s = summaries[n]
+        mfu = s.get("median_mfu")
+        row = [
+            f"`{n}`",
+            hardware(s),
+            fmt(s["steps_run"]),
+            fmt(s["final_loss"]),
+            fmt(s.get("final_eval_loss")),
+            fmt(s["median_tokens_per_s"], 5),
+            fmt(s["median_step_time_s"], 3),
+            f"{100 * mfu:.1f}%" if mfu is not None else "- (no GPU peak)",
+            peak_memory(s),
+            f"{s['memory_predicted']['total'] / 2**30:.3f} GiB",
+        ]
+        if comm:
+            row += [fmt(s.get("comm_bytes_per_step")), fmt(s.get("comm_count_per_step"))]
+        lines.append("| " + " | ".join(row) + " |")
+    out = "\n".join(lines)
+    if flags:
+        fhead = ["run", *[f"--{k.replace('_', '-')}" for k in flags]]
+        flines = ["| " + " | ".join(fhead) + " |", "|" + "---|" * len(fhead)]
+        for n in names:
+            flines.append("| " + " | ".join([f"`{n}`", *[fmt(summaries[n]["config"].get(k)) for k in flags]]) + " |")
+        out += "\n\nFlags that differ between these runs:\n\n" + "\n".join(flines)
+    s0 = summaries[names[0]]
+    versions = ", ".join(f"{k} {v}" for k, v in s0["versions"].items())
+    out += f"\n\nSoftware (`{names[0]}`): {versions}. Platform: {s0['hardware']['platform']}."
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("experiment")
+    args = p.parse_args()
+    runs = ROOT / "devlogs" / "runs" / args.experiment
+    summaries = {d.name: json.loads((d / "summary.json").read_text()) for d in sorted(runs.glob("*/"))}
+    if not summaries:
+        sys.exit(f"no run summaries under {runs}")
+    devlog = ROOT / "devlogs" / f"{args.experiment}.md"
+    text = devlog.read_text()
+    if BEGIN not in text or END not in text:
+        sys.exit(f"{devlog} has no {BEGIN} ... {END} section to fill")
+    before, rest = text.split(BEGIN, 1)
+    _, after = rest.split(END, 1)
+    devlog.write_text(f"{before}{BEGIN}\n{tables(summaries)}\n{END}{after}")
+    print(f"{devlog}: {len(summaries)} runs")
+
+
+if __name__ == "__main__":
+    main()
