@@ -164,11 +164,12 @@ def hub_dataset_to_splits(dataset_dict, source: str) -> dict[str, list[Example]]
 
 def load_hub(dataset_id: str, revision: str | None = None) -> dict[str, list[Example]]:
     """AMI from the hub, e.g. `TalTechNLP/AMIsum` with revision `refs/convert/parquet`, or the gated
-    `knkarthick/AMI` (set HF_TOKEN). Needs network access to the hub."""
+    `knkarthick/AMI` (set HF_TOKEN); `owner/name:config` picks a config. Needs network access to the hub."""
     import datasets
 
+    name, _, config = dataset_id.partition(":")
     try:
-        dd = datasets.load_dataset(dataset_id, revision=revision, token=os.environ.get("HF_TOKEN"))
+        dd = datasets.load_dataset(name, config or None, revision=revision, token=os.environ.get("HF_TOKEN"))
     except Exception as e:
         raise DataError(
             f"could not load hub dataset {dataset_id!r} (revision {revision}): {type(e).__name__}: {e}. "
@@ -181,7 +182,7 @@ def load_splits(data: str, revision: str | None = None) -> dict[str, list[Exampl
     """`data` is a local folder (QMSum format) or, if no such path exists and it looks like `owner/name`,
     a hub dataset id."""
     path = Path(data).expanduser()
-    if path.exists() or data.startswith((".", "/", "~")) or data.count("/") != 1:
+    if path.exists() or data.startswith((".", "/", "~")) or data.partition(":")[0].count("/") != 1:
         return load_qmsum_folder(path)
     return load_hub(data, revision)
 

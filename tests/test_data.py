@@ -186,3 +186,28 @@ def test_hub_schema_parsing_offline(tmp_path, splits):
     wrong = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"dialog_text": "x", "abstract": "y"}])})
     with pytest.raises(data.DataError, match="no transcript column"):
         data.hub_dataset_to_splits(wrong, "wrong-schema")
+
+
+def test_hub_ids_are_routed_to_datasets(monkeypatch, tmp_path):
+    """`owner/name[:config]` that is not a local folder goes to `datasets.load_dataset` with the revision and
+    HF_TOKEN; a hub failure becomes a DataError that says what to do offline."""
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(name, config=None, revision=None, token=None):
+        calls.append((name, config, revision, token))
+        raise ConnectionError("offline")
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    monkeypatch.setenv("HF_TOKEN", "hf_test")
+    with pytest.raises(data.DataError, match="local QMSum-format folder"):
+        data.load_splits("TalTechNLP/AMIsum", revision="refs/convert/parquet")
+    with pytest.raises(data.DataError):
+        data.load_splits("knkarthick/AMI:default")
+    assert calls == [
+        ("TalTechNLP/AMIsum", None, "refs/convert/parquet", "hf_test"),
+        ("knkarthick/AMI", "default", None, "hf_test"),
+    ]
+    with pytest.raises(data.DataError, match="does not exist"):
+        data.load_splits(str(tmp_path / "a" / "b"))  # a path, not an owner/name id
