@@ -40,7 +40,14 @@ def fmt(x, digits: int = 4) -> str:
     return str(x)
 
 
-def tables(summaries: dict[str, dict]) -> str:
+def first_loss(run: Path) -> float | None:
+    metrics = run / "metrics.jsonl"
+    if not metrics.exists():
+        return None
+    return json.loads(metrics.read_text().splitlines()[0])["loss"]
+
+
+def tables(summaries: dict[str, dict], firsts: dict[str, float | None]) -> str:
     names = sorted(summaries)
     flags = sorted(
         {
@@ -51,7 +58,16 @@ def tables(summaries: dict[str, dict]) -> str:
         }
     )
     comm = any("comm_bytes_per_step" in s for s in summaries.values())
-    head = ["run", "hardware", "steps", "final loss", "eval loss", "tokens/s (median)", "step time s (median)"]
+    head = [
+        "run",
+        "hardware",
+        "steps",
+        "first loss",
+        "final loss",
+        "eval loss",
+        "tokens/s (median)",
+        "step time s (median)",
+    ]
     head += ["MFU (median)", "peak memory (measured)", "memory model total"]
     if comm:
         head += ["comm bytes/step", "collectives/step"]
@@ -63,6 +79,7 @@ def tables(summaries: dict[str, dict]) -> str:
             f"`{n}`",
             hardware(s),
             fmt(s["steps_run"]),
+            fmt(firsts[n]),
             fmt(s["final_loss"]),
             fmt(s.get("final_eval_loss")),
             fmt(s["median_tokens_per_s"], 5),
@@ -92,7 +109,9 @@ def main() -> None:
     p.add_argument("experiment")
     args = p.parse_args()
     runs = ROOT / "devlogs" / "runs" / args.experiment
-    summaries = {d.name: json.loads((d / "summary.json").read_text()) for d in sorted(runs.glob("*/"))}
+    dirs = sorted(d for d in runs.glob("*/") if (d / "summary.json").exists())
+    summaries = {d.name: json.loads((d / "summary.json").read_text()) for d in dirs}
+    firsts = {d.name: first_loss(d) for d in dirs}
     if not summaries:
         sys.exit(f"no run summaries under {runs}")
     devlog = ROOT / "devlogs" / f"{args.experiment}.md"
@@ -101,7 +120,7 @@ def main() -> None:
         sys.exit(f"{devlog} has no {BEGIN} ... {END} section to fill")
     before, rest = text.split(BEGIN, 1)
     _, after = rest.split(END, 1)
-    devlog.write_text(f"{before}{BEGIN}\n{tables(summaries)}\n{END}{after}")
+    devlog.write_text(f"{before}{BEGIN}\n{tables(summaries, firsts)}\n{END}{after}")
     print(f"{devlog}: {len(summaries)} runs")
 
 
