@@ -191,6 +191,9 @@ def _random_init_checkpoint(model: str, config, seed: int) -> Path:
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         weights = torch.float32 if model == TINY else torch.bfloat16
         _random_init(config, seed, weights, device).save_pretrained(tmp)
+        if not (tmp / "config.json").exists():  # transformers saves on rank 0 only once a process group is up
+            shutil.rmtree(tmp)
+            raise RuntimeError(f"{model} weights were not written on this rank: build them on rank 0 first")
         _publish(tmp, path)
     return path
 

@@ -8,6 +8,7 @@ without --output-dir a run gets a fresh timestamped folder under runs/<experimen
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -388,3 +389,41 @@ def eval_loss_sums(model, micro_batches: list[dict], device: torch.device) -> to
         sums[1] += (mb["labels"][:, 1:] != -100).sum()
     model.train(was_training)
     return sums
+
+
+# ---------------------------------------------------------------------------------------- distributed
+
+
+def on_rank0(fn, *args, **kwargs):
+    """Run `fn` on rank 0 only (choosing the run directory, writing config.json) and hand every rank its result.
+    A RunError/DataError/CheckpointError it raises is raised on every rank, so a bad flag stops all of them with
+    the same message instead of leaving the others waiting in a collective that rank 0 never joins."""
+    import torch.distributed as dist
+
+    from ftkit.data import DataError
+
+    box: list = [None]
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", fn(*args, **kwargs))
+        except (RunError, DataError, CheckpointError) as e:
+            box[0] = ("error", e)
+    dist.broadcast_object_list(box, src=0)
+    status, value = box[0]
+    if status == "error":
+        raise value
+    return value
+
+
+@contextlib.contextmanager
+def rank0_first():
+    """Rank 0 runs the block first and fills the caches (the tiny tokenizer, random-init weights, hub downloads);
+    the other ranks run it after, and find them ready. With a process group up, transformers' save_pretrained
+    writes on rank 0 only, so a cache another rank built would come out empty."""
+    import torch.distributed as dist
+
+    if dist.get_rank() != 0:
+        dist.barrier()
+    yield
+    if dist.get_rank() == 0:
+        dist.barrier()

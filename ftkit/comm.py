@@ -1,0 +1,277 @@
+"""Communication accounting: the collectives a training step issues - kind, bytes, count, time - per optimizer step.
+
+Collectives reach the network by two routes, so there are two ways to record them:
+
+- DDP's reducer calls the process group from C++, so no Python function sees its gradient all-reduces. The one
+  place its buckets pass through Python is a DDP communication hook. `register_ddp_hook` installs a hook that
+  does exactly what DDP does without one - average each gradient bucket with one all-reduce
+  (`default_hooks.allreduce_hook`) - and records it.
+- Everything else (FSDP2's all-gathers and reduce-scatters, hand-written tensor- and pipeline-parallel
+  collectives, send/recv) calls the functions of `torch.distributed`: `recording()` wraps them for the duration
+  of a `with` block. Functional collectives (`torch.distributed._functional_collectives`, which DTensor's
+  redistributions use) dispatch to `torch.ops._c10d_functional` without passing through these functions, so
+  `recording` does not see them; `recording_functional` (below) does. Use one route per piece of traffic: the DDP
+  hook's all-reduce itself goes through `torch.distributed.all_reduce`, so wrapping it as well would count the
+  buckets twice.
+
+What is recorded, per kind of collective:
+- bytes: the size of the whole buffer the collective works on, on one rank: the tensor of an all-reduce or a
+  broadcast, the gathered output of an all-gather, the input of a reduce-scatter, the message of a send. What a
+  rank puts on the wire depends on the algorithm; for the ring algorithms see `ring_wire_bytes`.
+- count: collectives issued.
+- time_s: the wall time during which at least one collective of the kind was in flight: the union of the
+  intervals from issuing each one to seeing it complete. Collectives queue behind each other, so their
+  intervals overlap and summing them would count the queue many times. An interval includes the wait for the
+  slowest rank to issue the same collective, and it overlaps the backward pass, so it is not the time the
+  step lost to communication. On CPU (gloo) the end is when the work's future ran its Python callback, which
+  needs the GIL, so it can come late by a thread switch (5 ms at most, sys.getswitchinterval). On CUDA (NCCL)
+  the host returns as soon as the kernel is enqueued, so the interval is timed with CUDA events instead: one
+  recorded on the issuing stream before the collective, one in the future's callback, which runs on a stream
+  made to wait for the collective.
+
+The training scripts keep their own metric reductions (a loss scalar per step, the eval sums) out of the
+accounting, so the numbers are the technique's traffic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+# torch.distributed functions `recording()` wraps -> (the kind recorded, the argument that holds the buffer).
+COLLECTIVES = {
+    "all_reduce": ("all_reduce", "tensor"),
+    "reduce": ("reduce", "tensor"),
+    "broadcast": ("broadcast", "tensor"),
+    "all_gather_into_tensor": ("all_gather", "output_tensor"),
+    "all_gather": ("all_gather", "tensor_list"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "reduce_scatter": ("reduce_scatter", "input_list"),
+    # The names FSDP2 calls in this PyTorch (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py).
+    "all_gather_single": ("all_gather", "output_tensor"),
+    "reduce_scatter_single": ("reduce_scatter", "input"),
+    "all_to_all_single": ("all_to_all", "input"),
+    "send": ("send", "tensor"),
+    "isend": ("send", "tensor"),
+    "recv": ("recv", "tensor"),
+    "irecv": ("recv", "tensor"),
+}
+
+
+def nbytes(buffer: torch.Tensor | list[torch.Tensor]) -> int:
+    if isinstance(buffer, torch.Tensor):
+        return buffer.numel() * buffer.element_size()
+    return sum(t.numel() * t.element_size() for t in buffer)
+
+
+class CommRecorder:
+    """Per-kind bytes, count and in-flight time since the last `take()`. Futures complete on the backend's
+    threads (gloo) or in CUDA callbacks, hence the lock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._lock = threading.Lock()
+        self._stats: dict[str, dict[str, float]] = {}
+        self._spans: list[tuple[str, object, object]] = []  # (kind, start, end): perf_counter times or CUDA events
+
+    def issued(self, kind: str, size: int):
+        """Count a collective as it is issued; returns the token to pass to `completed`."""
+        with self._lock:
+            entry = self._stats.setdefault(kind, {"bytes": 0, "count": 0, "time_s": 0.0})
+            entry["bytes"] += size
+            entry["count"] += 1
+        if self.cuda:
+            start = torch.cuda.Event(enable_timing=True)
+            start.record()
+            return start
+        return time.perf_counter()
+
+    def completed(self, kind: str, token) -> None:
+        if self.cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        else:
+            end = time.perf_counter()
+        with self._lock:
+            self._spans.append((kind, token, end))
+
+    def take(self) -> dict[str, dict[str, float]]:
+        """The totals since the last call, e.g. {"all_reduce": {"bytes": 524288, "count": 1, "time_s": 0.002}};
+        call it once per optimizer step, after the step's collectives have completed."""
+        with self._lock:
+            stats, spans = self._stats, self._spans
+            self._stats, self._spans = {}, []
+        if self.cuda and spans:  # CUDA events -> seconds after one of the start events
+            torch.cuda.synchronize()
+            ref = spans[0][1]
+            spans = [(k, ref.elapsed_time(a) / 1e3, ref.elapsed_time(b) / 1e3) for k, a, b in spans]
+        for kind in stats:
+            stats[kind]["time_s"] = _union([(a, b) for k, a, b in spans if k == kind])
+        return stats
+
+
+def _union(spans: list[tuple[float, float]]) -> float:
+    """Length of the union of [start, end] intervals: the time at least one of them was in flight."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def _on_completion(work, recorder: CommRecorder, kind: str, token) -> None:
+    """Time an async collective until its future completes; a backend whose work has no future (some
+    point-to-point works) is timed until the call returned."""
+    try:
+        future = work.get_future()
+    except RuntimeError:
+        recorder.completed(kind, token)
+        return
+    future.add_done_callback(lambda _: recorder.completed(kind, token))
+
+
+@contextlib.contextmanager
+def recording(recorder: CommRecorder) -> Iterator[CommRecorder]:
+    """Record every collective issued through `torch.distributed`'s functions (COLLECTIVES) inside the block.
+
+    The functions are swapped on the `torch.distributed` module, which is where callers look them up
+    (`dist.all_gather_into_tensor(...)`), and restored on exit. A collective implemented by calling another one
+    is recorded once, by the outermost call.
+    """
+    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+    local = threading.local()
+
+    def wrap(name: str, fn):
+        kind, arg = COLLECTIVES[name]
+        signature = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            if getattr(local, "depth", 0):
+                return fn(*args, **kwargs)
+            bound = signature.bind(*args, **kwargs)
+            token = recorder.issued(kind, nbytes(bound.arguments[arg]))
+            local.depth = 1
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                local.depth = 0
+            if isinstance(result, dist.Work):
+                _on_completion(result, recorder, kind, token)
+            else:
+                recorder.completed(kind, token)
+            return result
+
+        return wrapper
+
+    for name, fn in originals.items():
+        setattr(dist, name, wrap(name, fn))
+    try:
+        yield recorder
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+
+
+def register_ddp_hook(ddp_model, recorder: CommRecorder, process_group=None) -> None:
+    """Route DDP's gradient buckets through a hook that all-reduces each one exactly as DDP's built-in reducer
+    does (divide by the world size, all-reduce SUM: the average) and records it. Call before the first forward.
+
+    DDP calls the hook once per bucket as soon as the last gradient of the bucket is ready, in the middle of the
+    backward pass; DDP waits for the returned future at the end of backward, before it writes the averaged
+    bucket back into the parameters' .grad (Li et al. 2020, arXiv 2006.15704, Sec. 3.2)."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    # No annotations on the hook: DDP checks them against the real classes, and this module's are strings.
+    def hook(state, bucket):
+        token = recorder.issued("all_reduce", nbytes(bucket.buffer()))
+        future = allreduce_hook(state, bucket)
+
+        def done(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+            recorder.completed("all_reduce", token)
+            return fut.value()
+
+        return future.then(done)
+
+    ddp_model.register_comm_hook(process_group, hook)
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Totals over the steps of a run from the `comm` entries of its metrics rows, and the per-step means the
+    devlog tables show (`comm_bytes_per_step`, `comm_count_per_step`, `comm_time_s_per_step`)."""
+    steps = [r["comm"] for r in rows if "comm" in r]
+    if not steps:
+        return {}
+    totals: dict[str, dict[str, float]] = {}
+    for step in steps:
+        for kind, s in step.items():
+            t = totals.setdefault(kind, {"bytes": 0, "count": 0, "time_s": 0.0})
+            for key in t:
+                t[key] += s[key]
+    n = len(steps)
+    return {
+        "comm": totals,
+        "comm_bytes_per_step": sum(t["bytes"] for t in totals.values()) / n,
+        "comm_count_per_step": sum(t["count"] for t in totals.values()) / n,
+        "comm_time_s_per_step": sum(t["time_s"] for t in totals.values()) / n,
+    }
+
+
+def ring_wire_bytes(kind: str, size: float, world: int) -> float:
+    """Bytes each rank sends for one collective on `size` bytes with the ring algorithms (Patarasuk & Yuan 2009,
+    "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 69(2)): an all-reduce is a
+    reduce-scatter followed by an all-gather, each N-1 steps of size/N per rank, so 2(N-1)/N x size; either half
+    alone sends (N-1)/N x size. This is the bandwidth term only (the latency term is 2(N-1) message latencies)."""
+    if world == 1:
+        return 0.0
+    factor = {"all_reduce": 2 * (world - 1) / world, "all_gather": (world - 1) / world}
+    factor["reduce_scatter"] = factor["all_gather"]
+    if kind not in factor:
+        raise ValueError(f"no ring model for {kind!r}; known: {', '.join(factor)}")
+    return factor[kind] * size
+
+
+# Functional collectives (the route DTensor's redistributions take) -> (the kind recorded, the index of the
+# argument that holds the buffer, whether that buffer is the gathered output rather than the input).
+FUNCTIONAL_COLLECTIVES = {
+    "all_reduce": ("all_reduce", 0, False),
+    "all_gather_into_tensor": ("all_gather", 0, True),
+    "reduce_scatter_tensor": ("reduce_scatter", 0, False),
+    "all_to_all_single": ("all_to_all", 0, False),
+    "broadcast": ("broadcast", 0, False),
+}
+
+
+@contextlib.contextmanager
+def recording_functional(recorder: CommRecorder) -> Iterator[CommRecorder]:
+    """Record the functional collectives (`torch.ops._c10d_functional.*`) dispatched inside the block, forward and
+    backward, with the same conventions as `recording` for bytes and count. These ops are asynchronous: they
+    return at issue and a later `wait_tensor` completes them, so the time recorded is the issue call only, not the
+    transfer; read `time_s` as a lower bound."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    ops = {getattr(torch.ops._c10d_functional, name).default: spec for name, spec in FUNCTIONAL_COLLECTIVES.items()}
+
+    class Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            spec = ops.get(func)
+            if spec is None:
+                return func(*args, **(kwargs or {}))
+            kind, index, gathered = spec
+            buffer = args[index]
+            size = nbytes(buffer) * (args[1] if gathered else 1)  # all_gather_into_tensor(input, group_size, ...)
+            token = recorder.issued(kind, size)
+            out = func(*args, **(kwargs or {}))
+            recorder.completed(kind, token)
+            return out
+
+    with Mode():
+        yield recorder

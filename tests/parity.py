@@ -1,0 +1,157 @@
+"""The parity harness: a technique launched with torchrun on CPU processes (gloo, tiny model, fp32, fixed seed)
+against the single-process reference with the same flags and global batch, compared step by step.
+
+A technique's test is a few lines (see tests/test_ddp.py):
+
+    dist = parity.torchrun("experiments/fsdp-ft/train.py", *flags, "--output-dir", str(tmp / "fsdp"))
+    ref = parity.reference(tmp, *flags, quant="none")      # bf16-LoRA techniques: the reference without 4-bit
+    assert parity.compare_losses(dist.run_dir, ref) <= parity.LOSS_TOL
+    assert parity.compare_adapters(dist.run_dir / "adapter", ref / "adapter") <= parity.ADAPTER_TOL
+
+Launches are made robust, because a flaky distributed test is a broken test: torchrun's `--standalone`
+rendezvous binds a port the OS picks (no two launches race for one), every launch has a timeout after which its
+whole process tree is stopped, and each rank's stdout and stderr go to files that are printed with the result,
+so a failing test shows what every rank said.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from conftest import ROOT, run_script
+from safetensors.torch import load_file
+
+REFERENCE = "experiments/single-gpu-ft/train.py"
+# Per-step losses: the project's parity bar (DESIGN.md). fp32 on CPU, so only summation order differs.
+LOSS_TOL = 1e-5
+# Adapter tensors after a few steps. AdamW moves each element by lr * m / (sqrt(v) + eps): the update is
+# normalised by the gradient's own size, so where a gradient element is tiny a rounding-level difference in it
+# (another summation order over ranks and micro-batches) becomes a visible difference in the step, bounded by
+# lr (2e-3 in --smoke) per step. 1e-4 is 1/20 of one such step, and 25x the largest difference measured
+# (DDP vs reference, 6 steps: 3.8e-6); a wrong gradient (a missing rank, a mean of means) moves the adapter by
+# far more (and the loss check catches it first).
+ADAPTER_TOL = 1e-4
+
+_references: dict[tuple, Path] = {}
+
+
+@dataclass
+class Launch:
+    """One torchrun launch: its exit code, torchrun's own output, and what each local rank printed."""
+
+    args: list[str]
+    returncode: int
+    seconds: float
+    output: str
+    ranks: dict[int, dict[str, str]] = field(default_factory=dict)  # local rank -> {"stdout": ..., "stderr": ...}
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.args[self.args.index("--output-dir") + 1])
+
+    def stderr(self, rank: int) -> str:
+        return self.ranks.get(rank, {}).get("stderr", "")
+
+    def report(self) -> str:
+        parts = [f"$ {' '.join(self.args)}\n(exit {self.returncode} after {self.seconds:.1f} s)"]
+        parts += [f"--- torchrun\n{self.output[-3000:]}"]
+        for rank, streams in sorted(self.ranks.items()):
+            for name, text in streams.items():
+                parts.append(f"--- rank {rank} {name}\n{text[-4000:]}")
+        return "\n".join(parts)
+
+
+def torchrun(script: str, *flags: str, nproc: int = 2, timeout: float = 300) -> Launch:
+    """`python -m torch.distributed.run --standalone --nproc_per_node=N script flags`, from the repo root."""
+    # A fresh log folder per launch, next to the run directory when there is one.
+    out = Path(flags[flags.index("--output-dir") + 1]) if "--output-dir" in flags else None
+    parent = out.parent if out is not None else None
+    if parent is not None:
+        parent.mkdir(parents=True, exist_ok=True)
+    log_dir = Path(tempfile.mkdtemp(prefix=f"{out.name if out else 'torchrun'}.logs-", dir=parent))
+    args = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "--log-dir",
+        str(log_dir),
+        "--redirects",
+        "3",  # each rank's stdout and stderr into its own files under --log-dir
+        script,
+        *flags,
+    ]
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    start = time.monotonic()
+    # A session of its own, so a launch that hangs can be stopped with every process it started.
+    proc = subprocess.Popen(
+        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+        returncode = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGTERM)  # torchrun passes it on to the ranks
+        try:
+            output, _ = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            output, _ = proc.communicate()
+        output = f"TIMED OUT after {timeout} s\n{output}"
+        returncode = -1
+    launch = Launch(args, returncode, time.monotonic() - start, output, _rank_logs(log_dir))
+    print(launch.report())  # pytest shows it when the test fails
+    return launch
+
+
+def _rank_logs(log_dir: Path) -> dict[int, dict[str, str]]:
+    """torchrun writes <log-dir>/<run id>/attempt_<k>/<local rank>/{stdout,stderr}.log."""
+    ranks: dict[int, dict[str, str]] = {}
+    for path in sorted(log_dir.glob("*/attempt_*/*/std*.log")):
+        ranks.setdefault(int(path.parent.name), {})[path.stem] = path.read_text(errors="replace")
+    return ranks
+
+
+def reference(base: Path, *flags: str, quant: str = "nf4", timeout: float = 300) -> Path:
+    """The single-process reference run (experiments/single-gpu-ft/train.py) with these flags; its run directory.
+    Cached per test session by flags, so techniques that compare against the same reference share one run."""
+    key = (flags, quant)
+    if key not in _references:
+        out = Path(tempfile.mkdtemp(prefix="reference-", dir=base))
+        proc = run_script(REFERENCE, *flags, "--quant", quant, "--output-dir", str(out / "run"), timeout=timeout)
+        assert proc.returncode == 0, f"the reference run failed:\n{proc.stderr[-3000:]}"
+        _references[key] = out / "run"
+    return _references[key]
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines() if line]
+
+
+def compare_losses(run_a: Path, run_b: Path, key: str = "loss") -> float:
+    """Max |a - b| of a per-step metric (loss, eval_loss) over the steps both runs logged it; the runs must have
+    logged the same steps."""
+    a, b = metrics(run_a), metrics(run_b)
+    assert [r["step"] for r in a] == [r["step"] for r in b], "the runs logged different steps"
+    pairs = [(x[key], y[key]) for x, y in zip(a, b) if key in x or key in y]
+    assert pairs, f"no {key} logged"
+    return max(abs(x - y) for x, y in pairs)
+
+
+def compare_adapters(dir_a: Path, dir_b: Path) -> float:
+    """Max |a - b| over the tensors of two PEFT adapters (adapter_model.safetensors), which must have the same keys
+    and shapes: a reassembled adapter must be the whole adapter, under the names PEFT gives it."""
+    a = load_file(Path(dir_a) / "adapter_model.safetensors")
+    b = load_file(Path(dir_b) / "adapter_model.safetensors")
+    assert a.keys() == b.keys(), f"different tensors: {sorted(a.keys() ^ b.keys())[:6]}"
+    assert all(a[k].shape == b[k].shape for k in a), "different shapes"
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)

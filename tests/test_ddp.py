@@ -1,0 +1,183 @@
+"""experiments/ddp-ft on 2 CPU processes (torchrun, gloo): the same training step as the single-process reference,
+with and without gradient accumulation, QLoRA (NF4) included; DDP's all-reduce traffic as theory says; resume,
+inference on the adapter, and bad input refused on every rank."""
+
+from __future__ import annotations
+
+import json
+
+import parity
+import pytest
+from conftest import run_script
+
+TRAIN = "experiments/ddp-ft/train.py"
+INFER = "experiments/ddp-ft/infer.py"
+# Small enough for CI, long enough to see the loss move and to cross an eval and a checkpoint: 6 steps of
+# sequences of <= 256 tokens. The default --quant nf4: the QLoRA base, 4-bit on CPU.
+STEPS = 6
+
+
+def flags(data_dir, batch: int, *extra: str) -> list[str]:
+    return [
+        "--smoke",
+        "--data",
+        str(data_dir),
+        "--max-steps",
+        str(STEPS),
+        "--max-length",
+        "256",
+        "--batch-size",
+        str(batch),
+        "--micro-batch-size",
+        "2",
+        "--eval-every",
+        "3",
+        "--save-every",
+        "3",
+        "--eval-examples",
+        "8",
+        "--no-progress",
+        *extra,
+    ]
+
+
+def launch(tmp_path_factory, name: str, *args: str) -> parity.Launch:
+    run = parity.torchrun(TRAIN, *args, "--output-dir", str(tmp_path_factory.mktemp("ddp") / name))
+    assert run.returncode == 0, run.report()
+    return run
+
+
+# Global batch 8 = micro 2 x 2 ranks x 2 accumulation steps; the reference runs it as 4 micro-batches.
+@pytest.fixture(scope="module")
+def accum(tmp_path_factory, data_dir):
+    return launch(tmp_path_factory, "accum", *flags(data_dir, 8))
+
+
+# Global batch 4 = micro 2 x 2 ranks: no accumulation, one all-reduce per micro-batch.
+@pytest.fixture(scope="module")
+def no_accum(tmp_path_factory, data_dir):
+    return launch(tmp_path_factory, "no-accum", *flags(data_dir, 4))
+
+
+@pytest.fixture(scope="module")
+def sync_every(tmp_path_factory, data_dir):
+    return launch(tmp_path_factory, "sync-every", *flags(data_dir, 8, "--sync-every-micro-step"))
+
+
+@pytest.mark.parametrize("run_name, batch", [("accum", 8), ("no_accum", 4)])
+def test_same_step_as_the_single_process_reference(request, tmp_path_factory, data_dir, run_name, batch):
+    run = request.getfixturevalue(run_name)
+    ref = parity.reference(tmp_path_factory.mktemp("ref"), *flags(data_dir, batch), quant="nf4")
+    loss = parity.compare_losses(run.run_dir, ref)
+    eval_loss = parity.compare_losses(run.run_dir, ref, key="eval_loss")
+    adapter = parity.compare_adapters(run.run_dir / "adapter", ref / "adapter")
+    print(f"{run_name}: max |loss diff| {loss:.2e}, eval {eval_loss:.2e}, adapter {adapter:.2e}")
+    assert loss <= parity.LOSS_TOL and eval_loss <= parity.LOSS_TOL
+    assert adapter <= parity.ADAPTER_TOL
+
+
+def test_run_directory(accum):
+    summary = json.loads((accum.run_dir / "summary.json").read_text())
+    config = json.loads((accum.run_dir / "config.json").read_text())
+    assert summary["status"] == "completed" and summary["steps_run"] == STEPS
+    assert config["hardware"]["world_size"] == 2 and config["accumulation_steps"] == 2
+    assert summary["hardware"]["torch_threads"] >= 1 and summary["memory_predicted"]["total"] > 0
+    rows = parity.metrics(accum.run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(r["tokens"] > r["target_tokens"] > 0 for r in rows)  # global counts, both ranks' shares
+    # Rank 0 wrote everything, once; every rank's RNG is in the checkpoint.
+    assert sorted(p.name for p in (accum.run_dir / "checkpoints").iterdir()) == ["step-3", "step-6"]
+    ckpt = accum.run_dir / "checkpoints" / "step-6"
+    assert {"rng-rank0.pt", "rng-rank1.pt", "optimizer.pt", "adapter"} <= {p.name for p in ckpt.iterdir()}
+    assert json.loads((ckpt / "trainer_state.json").read_text())["world_size"] == 2
+    assert "run directory:" in accum.ranks[0]["stdout"] and "run directory:" not in accum.ranks[1]["stdout"]
+
+
+def test_all_reduce_bytes_are_the_trainable_gradients_once_per_step(accum, no_accum):
+    for run in (accum, no_accum):
+        summary = json.loads((run.run_dir / "summary.json").read_text())
+        grad_bytes = summary["parameters"]["trainable"] * 4  # fp32 LoRA gradients
+        assert summary["trainable_grad_bytes"] == grad_bytes
+        for row in parity.metrics(run.run_dir):
+            assert set(row["comm"]) == {"all_reduce"}
+            assert row["comm"]["all_reduce"]["bytes"] == grad_bytes, row["comm"]
+            # The tiny model's 512 KiB of gradients fit DDP's 1 MiB first bucket: one all-reduce.
+            assert row["comm"]["all_reduce"]["count"] == 1
+            assert row["comm"]["all_reduce"]["time_s"] > 0
+        assert summary["comm_bytes_per_step"] == grad_bytes and summary["comm_count_per_step"] == 1
+
+
+def test_no_sync_sends_once_per_step_not_once_per_micro_step(accum, sync_every):
+    """With --sync-every-micro-step each of the 2 micro-steps all-reduces: twice the bytes for the same math."""
+    grad_bytes = json.loads((accum.run_dir / "summary.json").read_text())["trainable_grad_bytes"]
+    for row in parity.metrics(sync_every.run_dir):
+        assert row["comm"]["all_reduce"]["bytes"] == 2 * grad_bytes
+        assert row["comm"]["all_reduce"]["count"] == 2
+    assert parity.compare_losses(sync_every.run_dir, accum.run_dir) <= parity.LOSS_TOL
+
+
+@pytest.mark.parametrize(
+    "baseline, batch, knobs",
+    [
+        # With accumulation: 2 KiB buckets (one per LoRA matrix), gradients as bucket views, the graph search.
+        ("accum", 8, ["--bucket-cap-mb", "0.002", "--gradient-as-bucket-view", "--find-unused-parameters"]),
+        # Without (static_graph needs that): reentrant checkpointing, which with the graph search needs the
+        # static graph.
+        ("no_accum", 4, ["--static-graph", "--reentrant-checkpointing", "--find-unused-parameters"]),
+    ],
+)
+def test_ddp_knobs_and_misconfigurations_change_no_math(request, tmp_path_factory, data_dir, baseline, batch, knobs):
+    base = request.getfixturevalue(baseline)
+    run = launch(tmp_path_factory, "knobs", *flags(data_dir, batch, *knobs))
+    assert parity.compare_losses(run.run_dir, base.run_dir) <= parity.LOSS_TOL
+    assert parity.compare_adapters(run.run_dir / "adapter", base.run_dir / "adapter") <= parity.ADAPTER_TOL
+    grad_bytes = json.loads((run.run_dir / "summary.json").read_text())["trainable_grad_bytes"]
+    rows = parity.metrics(run.run_dir)
+    assert all(r["comm"]["all_reduce"]["bytes"] == grad_bytes for r in rows)
+    if "--bucket-cap-mb" in knobs:
+        # Once DDP has rebuilt its buckets after the first backward, each LoRA matrix (>= 8 KiB) is one.
+        assert all(r["comm"]["all_reduce"]["count"] == 56 for r in rows[1:]), [r["comm"] for r in rows]
+
+
+def test_resume_continues_with_the_same_losses(accum, tmp_path_factory, data_dir):
+    out = tmp_path_factory.mktemp("ddp") / "resumed"
+    first = parity.torchrun(TRAIN, *flags(data_dir, 8), "--output-dir", str(out), "--stop-after", "3")
+    assert first.returncode == 0, first.report()
+    assert not (out / "adapter").exists() and (out / "checkpoints" / "step-3").is_dir()
+    second = parity.torchrun(TRAIN, *flags(data_dir, 8), "--resume", str(out), "--output-dir", str(out))
+    assert second.returncode == 0, second.report()
+    assert "resumed from" in second.ranks[0]["stdout"]
+    assert [r["step"] for r in parity.metrics(out)] == list(range(1, STEPS + 1))
+    assert parity.compare_losses(out, accum.run_dir) <= 1e-6
+    assert parity.compare_adapters(out / "adapter", accum.run_dir / "adapter") <= 1e-6
+
+
+def test_infer_on_the_ddp_adapter(accum):
+    proc = run_script(INFER, "--smoke", "--run", str(accum.run_dir), "--num-examples", "2", "--max-new-tokens", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ROUGE F1" in proc.stdout
+    result = json.loads((accum.run_dir / "infer-test.json").read_text())
+    assert len(result["examples"]) == 2 and set(result["rouge"]) == {"base", "finetuned"}
+
+
+@pytest.mark.parametrize(
+    "batch, extra, message",
+    [
+        (6, [], "not a multiple"),  # 6 sequences do not split into micro-batches of 2 on 2 ranks
+        (8, ["--static-graph"], "pytorch/pytorch#143580"),  # static_graph + no_sync: a PyTorch bug
+    ],
+)
+def test_bad_flags_are_refused_before_any_work(tmp_path, data_dir, batch, extra, message):
+    run = parity.torchrun(TRAIN, *flags(data_dir, batch, *extra), "--output-dir", str(tmp_path / "o"))
+    assert run.returncode != 0
+    # Every rank refuses the flags, but torchrun stops the others as soon as one has exited with an error, so a
+    # slower rank may be gone before it says so: the message must come from at least one rank, a traceback
+    # from none.
+    stderr = [run.stderr(rank) for rank in (0, 1)]
+    assert any(message in e for e in stderr) and not any("Traceback" in e for e in stderr), run.report()
+    assert not (tmp_path / "o").exists()
+
+
+def test_launch_without_torchrun_is_refused(tmp_path, data_dir):
+    proc = run_script(TRAIN, "--smoke", "--data", str(data_dir), "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode != 0 and "torchrun --nproc_per_node" in proc.stderr and "Traceback" not in proc.stderr
