@@ -1,0 +1,514 @@
+"""FSDP LoRA: finetune Qwen3-4B with LoRA on a frozen bf16 base, every weight sharded over the GPUs (FSDP2).
+
+The single-GPU step (with --quant none), split across GPUs: every rank runs its share of the global batch, as in
+DDP, but holds only 1/N of every parameter. Each decoder layer is an FSDP unit: its shards are all-gathered just
+before the layer runs and freed after it, and its gradients are reduce-scattered so that each rank keeps the
+gradient of its own shard (ZeRO-3, Rajbhandari et al. 2020, arXiv 1910.02054; FSDP, Zhao et al. 2023, arXiv
+2304.11277):
+    uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py                    # Qwen3-4B, 2 GPUs, NCCL
+    uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --smoke --data ../shared/data/qmsum-ami  # CPU
+    uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --smoke --wrap-class LlamaDecoderLayer  # a trap
+
+One optimizer step = one global batch of --batch-size sequences, run as --batch-size / (--micro-batch-size x
+ranks) micro-batches per rank whose gradients accumulate unsharded (no reduce-scatter on the inner micro-steps)
+and are reduce-scattered once. The loss is the sum of token losses divided by the target tokens of the *whole*
+global batch, on every rank, so the reduced gradient is the gradient of the one big batch. The flags under
+"silent failures" reproduce FSDP setups that run without an error and cost memory or precision; each run's
+summary measures the symptom.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from peft import get_peft_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+
+from ftkit import comm, data, metrics, models, run
+from ftkit.memory import ModelShape, predict
+
+QLORA_REFUSAL = (
+    "--qlora: a 4-bit base does not shard with FSDP2 here. FSDP2 cuts every parameter into N pieces along dim 0, "
+    "but a bitsandbytes Params4bit stores two 4-bit values per uint8 byte, flattened, and keeps its quantization "
+    "state (absmax per 64-value block, the NF4 code, the original shape) beside the tensor: the chunks are plain "
+    "tensors without it, so the layer dequantizes the wrong values (the weights are silently corrupted after the "
+    "first step, measured in the devlog). What it takes: bnb_4bit_quant_storage=torch.bfloat16 so the packed "
+    "storage is a float tensor FSDP can flatten, with FSDP1(use_orig_params=True) and bitsandbytes' FSDP support "
+    "on CUDA; or keep the 4-bit base replicated (fully_shard(..., ignored_params=<the 4-bit weights>)) and shard "
+    "only the adapters - in 4 bits the linear layers take about a quarter of their bf16 bytes, so replicating "
+    "them is often the better deal. Use experiments/ddp-ft for QLoRA, or this script for LoRA on a bf16 base."
+)
+
+
+def parse_args():
+    p = run.common_parser(__doc__.splitlines()[0], experiment="fsdp-ft")
+    p.add_argument("--qlora", action="store_true", help="refused, with the reason: a 4-bit base does not shard")
+    g = p.add_argument_group("FSDP2")
+    g.add_argument(
+        "--wrap-class",
+        default="Qwen3DecoderLayer",
+        help="the module class that becomes an FSDP unit of its own; the root unit takes everything else",
+    )
+    g.add_argument(
+        "--param-dtype",
+        choices=["bf16", "fp32"],
+        default=None,
+        help="dtype the shards are all-gathered and computed in (the adapters' fp32 master copy stays fp32) "
+        "[default: --dtype]",
+    )
+    g.add_argument(
+        "--reduce-dtype", choices=["bf16", "fp32"], default="fp32", help="dtype of the gradient reduce-scatter"
+    )
+    g.add_argument(
+        "--output-dtype",
+        choices=["bf16", "fp32"],
+        default=None,
+        help="cast each unit's outputs to this dtype [default: no cast]",
+    )
+    g.add_argument(
+        "--no-reshard-after-forward",
+        dest="reshard_after_forward",
+        action="store_false",
+        help="keep each layer unsharded from its forward to its backward (ZeRO-2-like: one all-gather per "
+        "micro-step instead of two, the whole model unsharded at the end of forward)",
+    )
+    g.add_argument(
+        "--prefetch",
+        type=int,
+        default=1,
+        help="layers whose all-gather is issued ahead of the one running; 1: FSDP2's implicit prefetch",
+    )
+    g.add_argument(
+        "--cpu-offload",
+        action="store_true",
+        help="keep the shards, gradients and optimizer step on the CPU; copy to the GPU per unit (CUDA only)",
+    )
+    m = p.add_argument_group("silent failures (each runs without an error; the summary measures the symptom)")
+    m.add_argument(
+        "--adapters-in-base-dtype",
+        action="store_true",
+        help="cast the LoRA adapters to the base dtype before sharding, so the optimizer updates bf16 weights",
+    )
+    m.add_argument(
+        "--use-cache",
+        action="store_true",
+        help="leave the KV cache on in training (with checkpointing transformers drops it; without, it is kept)",
+    )
+    args = run.resolve(p.parse_args())
+    if args.qlora:
+        raise run.RunError(QLORA_REFUSAL)
+    if args.cpu_offload and args.smoke:
+        raise run.RunError("--cpu-offload moves shards between the GPU and the CPU; in --smoke they are on the CPU")
+    if args.prefetch < 1:
+        raise run.RunError(f"--prefetch must be at least 1 (FSDP2's implicit prefetch), got {args.prefetch}")
+    args.param_dtype = args.param_dtype or args.dtype
+    return args
+
+
+def fsdp_units(model, wrap_class: str) -> list[torch.nn.Module]:
+    """The modules that become FSDP units of their own, by class name as in FSDP1's transformer_auto_wrap_policy.
+    A name that matches nothing is not an error to FSDP: the root unit then holds the whole model."""
+    return [m for m in model.modules() if type(m).__name__ == wrap_class]
+
+
+def main() -> None:
+    args = parse_args()
+    # ---- process group: torchrun starts one process per GPU and tells each its rank (RANK, LOCAL_RANK,
+    # WORLD_SIZE) and where rank 0 listens (MASTER_ADDR/PORT); NCCL moves CUDA tensors, gloo CPU ones.
+    if "LOCAL_RANK" not in os.environ:
+        raise run.RunError(
+            "launch this script with torchrun, one process per GPU:\n    uv run torchrun --nproc_per_node=2 "
+            + " ".join(sys.argv)
+        )
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = run.device_for(args, local_rank)
+    if device.type == "cpu":  # the ranks on this machine share its cores instead of each taking all of them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=world)
+    dtype = run.torch_dtype(args.dtype)
+    # Rank 0 names the run directory (its clock, its checks) and every rank uses that one.
+    run_dir, resume_from = run.on_rank0(run.resolve_run_dir, args)
+
+    def print0(*text: str) -> None:
+        if rank == 0:
+            print(*text, flush=True)
+
+    # ---- data: AMI examples in Qwen3's chat format, loss only on the answer, length-grouped global batches.
+    # Every rank builds the same global batches (a function of seed and step) and takes its own share of each.
+    splits = data.load_splits(args.data, args.data_revision)
+    with run.rank0_first():  # rank 0 fills the caches, the others read them
+        tokenizer = models.load_tokenizer(args.model, data.corpus(splits["train"]))
+    formatter = data.ChatFormatter(tokenizer, args.max_length)
+    train_set, train_stats = formatter.encode_all(splits["train"])
+    val_set, _ = formatter.encode_all(splits["val"])
+    print0(f"train: {train_stats.describe()}")
+    batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
+    eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, rank, world)
+    # An evaluation forward all-gathers every unit, a collective: every rank must run as many micro-batches.
+    n_eval = -(-min(args.eval_examples, len(val_set)) // args.micro_batch_size)
+    if n_eval % world:
+        raise run.RunError(
+            f"--eval-examples {args.eval_examples} makes {n_eval} eval micro-batches of {args.micro_batch_size}, "
+            f"which do not split evenly over {world} ranks (every FSDP forward is a collective)"
+        )
+
+    # ---- model: rank 0 loads the real weights into CPU memory; the other ranks build the same model on the
+    # meta device (shapes, no storage). After sharding, rank 0 broadcasts the weights and each rank keeps only
+    # its shard: no GPU ever holds the whole model, and only rank 0's host memory holds it once, for the load.
+    # (Every rank loading the checkpoint would cost N full copies of host memory.)
+    with run.rank0_first():
+        if rank == 0:
+            model = models.load_model(
+                args.model,
+                quant="none",
+                dtype=dtype,
+                device=torch.device("cpu"),
+                seed=args.seed,
+                vocab_size=len(tokenizer),
+            )
+        else:
+            config = models.model_config(args.model, len(tokenizer))
+            config._attn_implementation = models.attention_implementation(device)
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            model.config.use_cache = False
+    config = model.config
+    if args.use_cache:
+        config.use_cache = True
+    if args.grad_checkpointing:
+        # Non-reentrant: transformers checkpoints each layer's forward, not its __call__, so FSDP2's hooks stay
+        # outside the checkpoint and the recomputation in backward does not all-gather the layer a third time.
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+    if args.adapters_in_base_dtype:
+        for p in model.parameters():
+            if p.requires_grad:
+                p.data = p.data.to(dtype)
+    counts = models.parameter_counts(model)
+    print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
+    full_weights = model.state_dict() if rank == 0 else {}
+
+    # ---- FSDP2: one unit per decoder layer, then the root (embeddings, final norm, the tied lm_head). Sharding
+    # after PEFT wrapping puts each layer's frozen base weights and its trainable LoRA matrices in one unit:
+    # FSDP2 shards each parameter on its own (a DTensor per parameter), so mixed requires_grad is fine, and it
+    # only demands one dtype among the *trainable* parameters of a unit (the fp32 adapters; the frozen bf16 base
+    # may differ). MixedPrecisionPolicy's roles: param_dtype is what the all-gather sends and the layer
+    # computes in, reduce_dtype what the gradient reduce-scatter sends, output_dtype a cast of each unit's
+    # outputs; the optimizer always steps the sharded originals (fp32 adapters).
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    policy = MixedPrecisionPolicy(
+        param_dtype=run.torch_dtype(args.param_dtype),
+        reduce_dtype=run.torch_dtype(args.reduce_dtype),
+        output_dtype=run.torch_dtype(args.output_dtype) if args.output_dtype else None,
+    )
+    fsdp_kwargs = {"mesh": mesh, "mp_policy": policy}
+    if args.cpu_offload:
+        fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
+    units = fsdp_units(model, args.wrap_class)
+    if not units:
+        print0(f"warning: no module of class {args.wrap_class}: the root unit holds (and all-gathers) the whole model")
+    for unit in units:
+        fully_shard(unit, reshard_after_forward=args.reshard_after_forward, **fsdp_kwargs)
+    # The root, left at FSDP2's default for it: not resharded after forward, since backward starts with it (the
+    # lm_head) right away. With reshard_after_forward=True it would be all-gathered twice per micro-step.
+    fully_shard(model, **fsdp_kwargs)
+    if args.prefetch > 1:
+        # Issue the all-gathers of the next k layers while this one runs (forward) or of the previous k (backward):
+        # more overlap, k+1 layers unsharded at once instead of 2.
+        for i, unit in enumerate(units):
+            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + args.prefetch])
+            unit.set_modules_to_backward_prefetch(units[max(0, i - args.prefetch) : i][::-1])
+    if rank != 0:
+        model.to_empty(device=device)  # storage for the shards (and the RoPE buffers, recomputed below)
+    set_model_state_dict(model, full_weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    del full_weights
+    # The RoPE frequencies are a non-persistent buffer: not in the state dict, so compute them on every rank.
+    inner = model.base_model.model.model
+    inner.rotary_emb = type(inner.rotary_emb)(config).to(device)
+
+    # What each rank now holds: its shard of every parameter, and what one unit needs unsharded at once.
+    def local_bytes(params) -> int:
+        return sum(p.to_local().numel() * p.to_local().element_size() for p in params)
+
+    param_bytes = local_bytes(model.parameters())
+    unit_bytes = [
+        sum(p.numel() * run.torch_dtype(args.param_dtype).itemsize for p in u.parameters()) for u in [*units, model]
+    ]
+    unit_bytes[-1] -= sum(unit_bytes[:-1])  # the root unit: what no layer unit took
+    print0(f"FSDP units: {len(units)} x {args.wrap_class} + root; per-rank parameter shards: {param_bytes:,} bytes")
+
+    recorder = comm.CommRecorder(device)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+    # The trainable part of the model and the optimizer state, as sharded DTensors (each rank its own pieces).
+    sharded = StateDictOptions(ignore_frozen_params=True)
+
+    # ---- resume: the sharded adapter + optimizer state (each rank reads its own pieces), the scheduler and
+    # each rank's RNG; the data position is the step itself.
+    start_step = 0
+    if resume_from is not None:
+        state = run.read_checkpoint_state(resume_from, ("sharded/.metadata", "scheduler.pt"))
+        if state.get("world_size") != world:  # each rank continues its own RNG stream
+            raise run.RunError(
+                f"{resume_from} was written by {state.get('world_size')} ranks; resume it with as many "
+                f"(torchrun --nproc_per_node=...), not {world}"
+            )
+        model_state, optim_state = get_state_dict(model, optimizer, options=sharded)
+        ckpt = {"model": model_state, "optimizer": optim_state}
+        try:
+            dcp.load(ckpt, checkpoint_id=resume_from / "sharded")
+        except Exception as e:
+            raise run.CheckpointError(f"{resume_from}/sharded: unreadable sharded checkpoint ({e})") from e
+        # Not strict: the checkpoint holds the trainable parameters only (the frozen base is the one just loaded).
+        set_state_dict(
+            model,
+            optimizer,
+            model_state_dict=ckpt["model"],
+            optim_state_dict=ckpt["optimizer"],
+            options=StateDictOptions(ignore_frozen_params=True, strict=False),
+        )
+        scheduler.load_state_dict(run.load_torch(resume_from / "scheduler.pt"))
+        run.set_rng_state(run.load_torch(resume_from / f"rng-rank{rank}.pt"))
+        start_step = state["step"]
+        print0(f"resumed from {resume_from} at step {start_step}")
+
+    hardware = metrics.hardware(device, world_size=world)
+    run.on_rank0(
+        run.init_run_dir,
+        run_dir,
+        args,
+        {
+            "args": run.args_dict(args),
+            "versions": metrics.versions(),
+            "hardware": hardware,
+            "data": train_stats.as_dict(),
+            "parameters": counts,
+            "accumulation_steps": accum,
+        },
+        resume_step=start_step if resume_from is not None else None,
+    )
+    log = metrics.MetricsLog(
+        run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
+    )
+    peak = metrics.peak_flops(device)
+
+    def save_adapter(path) -> None:
+        # Gather the full adapter onto rank 0's CPU (a collective: every rank takes part) and write it as a stock
+        # PEFT adapter, the same files PeftModel.save_pretrained writes.
+        full = get_model_state_dict(
+            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+        )
+        if rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            weights = get_peft_model_state_dict(model, state_dict=full)
+            safetensors.torch.save_file(
+                {k: v.contiguous() for k, v in weights.items()}, path / "adapter_model.safetensors", {"format": "pt"}
+            )
+            adapter_config = model.peft_config["default"]
+            inference_mode = adapter_config.inference_mode
+            adapter_config.inference_mode = True
+            adapter_config.save_pretrained(path)
+            adapter_config.inference_mode = inference_mode
+
+    def save_checkpoint(step: int) -> None:
+        # Every rank writes its own shards of the adapter and optimizer state (torch.distributed.checkpoint), in
+        # one folder that must be on storage all ranks see; rank 0 adds the scheduler and every rank's RNG.
+        tmp = run.on_rank0(run.staging_dir, run_dir, step)
+        model_state, optim_state = get_state_dict(model, optimizer, options=sharded)
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp / "sharded")
+        rng = [None] * world if rank == 0 else None
+        dist.gather_object(run.rng_state(), rng, dst=0)
+        if rank == 0:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            for r, state in enumerate(rng):
+                torch.save(state, tmp / f"rng-rank{r}.pt")
+            run.commit_checkpoint(tmp, step, {"seed": args.seed, "world_size": world}, args.keep_checkpoints)
+        dist.barrier()  # no rank goes on (or exits, with --stop-after) before the checkpoint is complete
+
+    # ---- train
+    model.train()
+    last_step = args.stop_after or args.max_steps
+    kv_cache_bytes = 0
+    for step in range(start_step, last_step):
+        metrics.reset_peak_memory(device)
+        # Target tokens of the whole global batch, all ranks together: the loss denominator. Every rank computes
+        # the same number from the same global batch, without a collective.
+        n_target = batches.n_target(step)
+        loss_sum = torch.zeros((), device=device)
+        seq_lens: list[int] = []
+        micro_batches = batches.micro_batches(step, args.micro_batch_size, rank=rank, world=world)
+        with metrics.StepTimer(device) as timer, comm.recording(recorder):
+            for j, mb in enumerate(micro_batches):
+                mb = {k: v.to(device) for k, v in mb.items()}
+                # Accumulate the unsharded gradients locally and reduce-scatter once, in the last micro-batch's
+                # backward (FSDP2's no_sync). The all-gathers still happen on every micro-batch.
+                model.set_requires_gradient_sync(j == len(micro_batches) - 1)
+                out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=args.use_cache)
+                if args.use_cache and out.past_key_values is not None:
+                    cache = out.past_key_values
+                    kv_cache_bytes = sum(
+                        t.numel() * t.element_size()
+                        for layer in cache.layers
+                        for t in (layer.keys, layer.values)
+                        if isinstance(t, torch.Tensor)
+                    )
+                loss = data.token_loss_sum(out.logits, mb["labels"]) / n_target
+                # FSDP2's reduce-scatter *averages* the gradients over the ranks (it divides by the world size, as
+                # DDP does; set_gradient_divide_factor would change that). This rank's loss is its share of the
+                # global loss, so the gradient we want is the *sum* over ranks: scale by the world size.
+                (loss * world).backward()
+                loss_sum += loss.detach()
+                seq_lens += mb["attention_mask"].sum(1).tolist()
+                del out
+            # Each rank holds only its shard of each gradient: clip_grad_norm_ sums the squares of the local
+            # shards and all-reduces them (DTensor's own collective), so the norm is the global one.
+            clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
+            before = [p.to_local().detach().clone() for p in trainable]
+            lr_used = optimizer.param_groups[0]["lr"]
+            optimizer.step()  # on the shards: each rank updates its 1/N of the adapters and of AdamW's moments
+            # Adapter elements with a gradient that the step left bit-identical: an update below half the spacing
+            # of the weight's dtype is rounded away (the symptom of --adapters-in-base-dtype: bf16 keeps 8 bits).
+            # Warmup's first step has lr 0 and updates nothing by design: not counted.
+            lost = sum(
+                ((p.to_local() == b) & (p.grad.to_local() != 0)).sum().item() for p, b in zip(trainable, before)
+            ) * (lr_used > 0)
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        step_comm = recorder.take()
+        if isinstance(grad_norm, DTensor):
+            grad_norm = grad_norm.full_tensor()
+        # The global loss, tokens and FLOPs: sums over the ranks' shares (one small all-reduce for the metrics).
+        flops = metrics.step_flops(seq_lens, config, counts["trainable"])
+        totals = torch.tensor([loss_sum.item(), sum(seq_lens), flops, lost], dtype=torch.float64, device=device)
+        dist.all_reduce(totals)
+        global_loss, tokens, flops, lost = totals.tolist()
+        row = {
+            "step": step + 1,
+            "loss": global_loss,
+            "lr": scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm.item(),
+            "lost_update_fraction": lost / counts["trainable"],
+            "target_tokens": n_target,
+            "tokens": int(tokens),
+            "step_time_s": timer.seconds,
+            "tokens_per_s": tokens / timer.seconds,
+            "mfu": flops / (timer.seconds * peak * world) if peak else None,
+            "comm": step_comm,
+            **metrics.peak_memory(device),
+        }
+        if args.use_cache:
+            row["kv_cache_bytes"] = kv_cache_bytes
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
+            # Each rank evaluates its share of the held-out set, through FSDP (the forward all-gathers); sum.
+            sums = run.eval_loss_sums(model, eval_batches, device)
+            dist.all_reduce(sums)
+            row["eval_loss"] = (sums[0] / sums[1]).item()
+        log.log(row)
+        if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
+            save_checkpoint(step + 1)
+    log.close()
+
+    # ---- save: a stock PEFT adapter (adapter_config.json + adapter_model.safetensors), gathered onto rank 0
+    finished = last_step == args.max_steps
+    if finished:
+        save_adapter(run_dir / "adapter")
+    if rank != 0:
+        return
+    shape = ModelShape.from_config(config)
+    predicted = predict(
+        shape,
+        technique="fsdp",
+        quant="none",
+        dtype=args.dtype,
+        world_size=world,
+        lora_rank=args.lora_rank,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.max_length,
+        grad_checkpointing=args.grad_checkpointing,
+        reshard_after_forward=args.reshard_after_forward,
+    ).as_dict()
+    itemsize = run.torch_dtype(args.param_dtype).itemsize
+    trainable_numel = counts["trainable"]
+    summary = {
+        "status": "completed" if finished else f"stopped after step {last_step} (--stop-after); continue with --resume",
+        "run_dir": str(run_dir),
+        "config": run.args_dict(args),
+        "versions": metrics.versions(),
+        "hardware": hardware,
+        "data": train_stats.as_dict(),
+        "parameters": counts,
+        "accumulation_steps": accum,
+        **log.summary(),
+        "fsdp_units": len(units) + 1,
+        # Measured on rank 0 after sharding: the bytes of its parameter shards, and the largest unit that is
+        # all-gathered at once (in --param-dtype).
+        "param_shard_bytes": param_bytes,
+        "largest_unit_bytes": max(unit_bytes),
+        # What theory says FSDP2 sends per optimizer step, bytes of the full (gathered) buffers: every unit is
+        # all-gathered once per micro-step forward, and the layer units once more per backward when they were
+        # resharded after forward; the trainable (LoRA) gradients are reduce-scattered once (frozen weights have
+        # no gradient and send nothing). The ring puts (N-1)/N of each on the wire.
+        "theory_all_gather_bytes": accum
+        * (
+            (counts["trainable"] + counts["frozen"]) * itemsize
+            + (sum(unit_bytes[:-1]) if args.reshard_after_forward else 0)
+        ),
+        "theory_reduce_scatter_bytes": trainable_numel * run.torch_dtype(args.reduce_dtype).itemsize,
+        **comm.summarize(log.rows),
+        "comm_note": "per optimizer step, FSDP2's all-gathers and reduce-scatters as recorded around "
+        "torch.distributed (ftkit/comm.py): bytes of the full buffers; the grad-norm all-reduce (DTensor's "
+        "functional collectives) and the metrics' own all-reduces are not counted",
+        "mfu_convention": metrics.MFU_CONVENTION,
+        "peak_flops": peak,
+        "memory_predicted": predicted,
+        "memory_note": "predicted: the memory model (ftkit/memory.py) at micro-batch x --max-length; measured on "
+        "rank 0: param_shard_bytes (exact) and "
+        + (
+            "CUDA peak allocated"
+            if device.type == "cuda"
+            else "process peak RSS, which also counts Python, "
+            "libraries and data, so it is not comparable with the model's GPU bytes"
+        ),
+    }
+    if args.use_cache:
+        summary["kv_cache_bytes"] = kv_cache_bytes
+    run.write_summary(run_dir, summary)
+    print(f"run directory: {run_dir}" + (f"\nadapter: {run_dir / 'adapter'}" if finished else ""))
+
+
+if __name__ == "__main__":
+    code = 0
+    try:
+        main()
+    except (run.RunError, data.DataError, run.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    # Leave without running the C++ static destructors: with gloo about 1 launch in 10 otherwise aborts at exit
+    # ("terminate called without an active exception") after the work is done. Destroy the process group first.
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

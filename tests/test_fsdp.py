@@ -1,0 +1,176 @@
+"""experiments/fsdp-ft on 2 CPU processes (torchrun, gloo): the same training step as the single-process LoRA
+reference (--quant none), with and without gradient accumulation; bf16 mixed precision within a stated tolerance;
+FSDP2's all-gather and reduce-scatter bytes as theory says; per-rank parameter memory as the memory model says;
+resume from the sharded checkpoint, inference on the gathered adapter, and --qlora refused on every rank."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import parity
+import pytest
+from conftest import run_script
+
+TRAIN = "experiments/fsdp-ft/train.py"
+INFER = "experiments/fsdp-ft/infer.py"
+# Small enough for CI, long enough to see the loss move and to cross an eval and a checkpoint: 4 steps of
+# sequences of <= 256 tokens, fp32 (--smoke).
+STEPS = 4
+# --param-dtype bf16 against the fp32 run: the all-gathered weights and every matmul input are rounded to bf16
+# (unit roundoff 2^-8 = 3.9e-3, relative), and the loss (~9 nats here) is a mean over ~600 target tokens of
+# log-softmaxes whose logits carry that relative error, so most of it averages out. Measured: 9.3e-4 over the 4
+# steps. 1e-2 is ten times that, and a tenth of what one step changes the loss by here (~0.1), so a wrong
+# gradient or a missing rank still fails.
+BF16_LOSS_TOL = 1e-2
+
+
+def flags(data_dir, batch: int, *extra: str) -> list[str]:
+    return [
+        "--smoke",
+        "--data",
+        str(data_dir),
+        "--max-steps",
+        str(STEPS),
+        "--max-length",
+        "256",
+        "--batch-size",
+        str(batch),
+        "--micro-batch-size",
+        "2",
+        "--eval-every",
+        "2",
+        "--save-every",
+        "2",
+        "--eval-examples",
+        "8",
+        "--no-progress",
+        *extra,
+    ]
+
+
+def launch(tmp_path_factory, name: str, *args: str) -> parity.Launch:
+    run = parity.torchrun(TRAIN, *args, "--output-dir", str(tmp_path_factory.mktemp("fsdp") / name))
+    assert run.returncode == 0, run.report()
+    return run
+
+
+def summary(run: parity.Launch) -> dict:
+    return json.loads((run.run_dir / "summary.json").read_text())
+
+
+# Global batch 8 = micro 2 x 2 ranks x 2 accumulation steps; the reference runs it as 4 micro-batches.
+@pytest.fixture(scope="module")
+def accum(tmp_path_factory, data_dir):
+    return launch(tmp_path_factory, "accum", *flags(data_dir, 8))
+
+
+# Global batch 4 = micro 2 x 2 ranks: no accumulation. ZeRO-2-like (layers stay unsharded from forward to
+# backward) and an explicit prefetch of 2 layers: neither changes the math, the first changes the traffic.
+@pytest.fixture(scope="module")
+def no_accum(tmp_path_factory, data_dir):
+    return launch(tmp_path_factory, "no-accum", *flags(data_dir, 4, "--no-reshard-after-forward", "--prefetch", "2"))
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory, data_dir):
+    return launch(tmp_path_factory, "bf16", *flags(data_dir, 8, "--param-dtype", "bf16"))
+
+
+@pytest.mark.parametrize("run_name, batch", [("accum", 8), ("no_accum", 4)])
+def test_same_step_as_the_single_process_reference(request, tmp_path_factory, data_dir, run_name, batch):
+    run = request.getfixturevalue(run_name)
+    ref = parity.reference(tmp_path_factory.mktemp("ref"), *flags(data_dir, batch), quant="none")
+    loss = parity.compare_losses(run.run_dir, ref)
+    eval_loss = parity.compare_losses(run.run_dir, ref, key="eval_loss")
+    adapter = parity.compare_adapters(run.run_dir / "adapter", ref / "adapter")
+    print(f"{run_name}: max |loss diff| {loss:.2e}, eval {eval_loss:.2e}, adapter {adapter:.2e}")
+    assert loss <= parity.LOSS_TOL and eval_loss <= parity.LOSS_TOL
+    assert adapter <= parity.ADAPTER_TOL
+
+
+def test_bf16_mixed_precision_stays_near_fp32(accum, bf16):
+    diff = parity.compare_losses(bf16.run_dir, accum.run_dir)
+    print(f"bf16 param dtype vs fp32: max |loss diff| {diff:.2e}")
+    assert 1e-5 < diff <= BF16_LOSS_TOL  # it did compute in bf16, and stayed close
+
+
+def test_all_gather_and_reduce_scatter_bytes_match_theory(accum, no_accum):
+    """Per step, bytes of the full buffers: every unit all-gathered in each micro-step's forward, the layer units
+    again in its backward when resharded after forward; the trainable gradients (fp32) reduce-scattered once."""
+    counts = summary(accum)["parameters"]
+    model_bytes = (counts["trainable"] + counts["frozen"]) * 4
+    lora_bytes = counts["trainable"] * 4
+    for run, accumulation, reshard in ((accum, 2, True), (no_accum, 1, False)):
+        s = summary(run)
+        layer_bytes = model_bytes - s["largest_unit_bytes"]  # the root (tied embedding + final norm) is largest
+        expected = accumulation * (model_bytes + (layer_bytes if reshard else 0))
+        assert s["theory_all_gather_bytes"] == expected
+        for row in parity.metrics(run.run_dir):
+            assert set(row["comm"]) == {"all_gather", "reduce_scatter"}
+            assert row["comm"]["all_gather"]["bytes"] == expected, row["comm"]
+            # 5 units in forward (4 layers + root), 4 layers again in backward if resharded; per micro-step.
+            assert row["comm"]["all_gather"]["count"] == accumulation * (5 + (4 if reshard else 0))
+            # Only the LoRA gradients, once per step (not per micro-step), one reduce-scatter per layer unit:
+            # the root holds only frozen weights and reduces nothing.
+            assert row["comm"]["reduce_scatter"]["bytes"] == lora_bytes
+            assert row["comm"]["reduce_scatter"]["count"] == 4
+
+
+def test_per_rank_parameter_memory_matches_the_memory_model(accum):
+    s = summary(accum)
+    counts = s["parameters"]
+    # Each rank holds exactly half of every parameter (the tiny model's dimensions are even: no padding).
+    assert s["param_shard_bytes"] * 2 == (counts["trainable"] + counts["frozen"]) * 4
+    # ftkit.memory.predict(technique="fsdp"), as the script called it: the resident shards of the base weights
+    # and of the adapters, to the byte.
+    predicted = s["memory_predicted"]
+    assert predicted["weights"] + predicted["lora"] == s["param_shard_bytes"]
+    # What is gathered at once: the model predicts two layers (the current one and the prefetched next) plus
+    # the root, which stays unsharded; the largest single unit here is the root (tied embedding + final norm).
+    assert predicted["gathered"] >= s["largest_unit_bytes"]
+
+
+def test_run_directory_and_sharded_checkpoint(accum):
+    s = summary(accum)
+    config = json.loads((accum.run_dir / "config.json").read_text())
+    assert s["status"] == "completed" and s["steps_run"] == STEPS and s["fsdp_units"] == 5
+    assert config["hardware"]["world_size"] == 2 and config["accumulation_steps"] == 2
+    assert sorted(p.name for p in (accum.run_dir / "checkpoints").iterdir()) == ["step-2", "step-4"]
+    ckpt = accum.run_dir / "checkpoints" / "step-4"
+    assert {"rng-rank0.pt", "rng-rank1.pt", "scheduler.pt", "sharded"} <= {p.name for p in ckpt.iterdir()}
+    # torch.distributed.checkpoint: one file per rank, with its own shards, and the metadata.
+    assert {p.name for p in (ckpt / "sharded").iterdir()} == {".metadata", "__0_0.distcp", "__1_0.distcp"}
+    assert "run directory:" in accum.ranks[0]["stdout"] and "run directory:" not in accum.ranks[1]["stdout"]
+
+
+def test_resume_continues_with_the_same_losses(accum, tmp_path_factory, data_dir):
+    """Resume a copy of the accumulation run from its step-2 sharded checkpoint: steps 3-4 are run again and
+    must come out as they did the first time."""
+    out = tmp_path_factory.mktemp("fsdp") / "resumed"
+    shutil.copytree(accum.run_dir, out, ignore=shutil.ignore_patterns("adapter", "summary.json"))
+    ckpt = out / "checkpoints" / "step-2"
+    run = parity.torchrun(TRAIN, *flags(data_dir, 8), "--resume", str(ckpt), "--output-dir", str(out))
+    assert run.returncode == 0, run.report()
+    assert "resumed from" in run.ranks[0]["stdout"] and "at step 2" in run.ranks[0]["stdout"]
+    assert [r["step"] for r in parity.metrics(out)] == list(range(1, STEPS + 1))
+    assert parity.compare_losses(out, accum.run_dir) <= 1e-6
+    assert parity.compare_adapters(out / "adapter", accum.run_dir / "adapter") <= 1e-6
+
+
+def test_infer_on_the_gathered_adapter(accum):
+    proc = run_script(INFER, "--smoke", "--run", str(accum.run_dir), "--num-examples", "2", "--max-new-tokens", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ROUGE F1" in proc.stdout
+    result = json.loads((accum.run_dir / "infer-test.json").read_text())
+    assert len(result["examples"]) == 2 and set(result["rouge"]) == {"base", "finetuned"}
+
+
+def test_qlora_is_refused_with_the_reason(tmp_path, data_dir):
+    run = parity.torchrun(TRAIN, *flags(data_dir, 8, "--qlora"), "--output-dir", str(tmp_path / "o"))
+    assert run.returncode != 0
+    # Every rank refuses, but when the first exits torchrun stops the other, which may be gone before it
+    # prints: the reason must come from at least one rank, and a traceback from none.
+    stderr = [run.stderr(rank) for rank in (0, 1)]
+    assert any("Params4bit" in e for e in stderr) and not any("Traceback" in e for e in stderr), run.report()
+    assert not (tmp_path / "o").exists()
