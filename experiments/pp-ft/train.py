@@ -1,0 +1,572 @@
+"""Pipeline-parallel LoRA: finetune Qwen3-4B with its decoder layers split into stages, one GPU per stage.
+
+The single-GPU step, cut by depth: rank r holds a contiguous slice of the layer stack (the embedding on the first
+stage, the final norm and lm_head on the last), and the global batch flows through the stages as micro-batches,
+activations forward and their gradients backward, rank to rank:
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --schedule 1f1b             # Qwen3-4B, 2 GPUs
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --smoke --data ../shared/data/qmsum-ami  # CPU
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --smoke --schedule interleaved-1f1b
+
+One optimizer step = one global batch of --batch-size sequences, cut into m = --batch-size / --micro-batch-size
+pipeline micro-batches (or --microbatches m). Pipelining does not split the batch across ranks: every rank reads
+the same global batch, the first stage feeds its micro-batches in, the last stage computes their losses. The loss
+of a micro-batch is its sum of token losses divided by the target tokens of the *whole* global batch, so the
+micro-batch losses add up to the single-GPU loss and their gradients to its gradient. While the first micro-batch
+travels down the pipe the later stages wait, and while the last one travels back the earlier stages wait: the
+pipeline bubble, measured per rank in every step's metrics.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from transformers import get_cosine_schedule_with_warmup
+
+from ftkit import comm, data, metrics, models, run
+from ftkit.memory import ModelShape, predict
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+
+
+def parse_args():
+    p = run.common_parser(__doc__.splitlines()[0], experiment="pp-ft")
+    g = p.add_argument_group("pipeline")
+    g.add_argument(
+        "--schedule",
+        choices=list(SCHEDULES),
+        default="1f1b",
+        help="gpipe: all forwards, then all backwards; 1f1b: one forward, one backward in the steady state (fewer "
+        "activations in flight); interleaved-1f1b: two stages per rank (rank r holds stages r and r + ranks), "
+        "a smaller bubble for twice the point-to-point traffic",
+    )
+    g.add_argument(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="pipeline micro-batches per optimizer step; sets --micro-batch-size to --batch-size / this",
+    )
+    micro_given = "--micro-batch-size" in sys.argv
+    args = run.resolve(p.parse_args())
+    if args.microbatches is not None:
+        if args.microbatches <= 0 or args.batch_size % args.microbatches:
+            raise run.RunError(
+                f"--microbatches {args.microbatches} must divide --batch-size {args.batch_size} into equal "
+                "micro-batches"
+            )
+        if micro_given and args.micro_batch_size * args.microbatches != args.batch_size:
+            raise run.RunError("--microbatches and --micro-batch-size disagree; give one of them")
+        args.micro_batch_size = args.batch_size // args.microbatches
+    return args
+
+
+def stage_layout(num_layers: int, world: int, schedule: str) -> tuple[int, int]:
+    """(stages, layers per stage). Interleaved 1F1B gives every rank two stages (v = 2 model chunks, Narayanan et
+    al. 2021, arXiv 2104.04473, Sec. 2.2). Stages must split the layers evenly: an uneven split leaves the
+    bigger stages as the bottleneck of every step and the smaller ones idle, a bubble of its own, so it is
+    refused rather than warned about."""
+    stages = world * (2 if schedule == "interleaved-1f1b" else 1)
+    if num_layers % stages:
+        divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
+        raise run.RunError(
+            f"{stages} pipeline stages ({world} ranks x {stages // world} per rank with --schedule {schedule}) do "
+            f"not divide the model's {num_layers} layers evenly; the stage count must be one of {divisors}"
+        )
+    return stages, num_layers // stages
+
+
+class Stage(nn.Module):
+    """A contiguous slice of Qwen3ForCausalLM: the token embedding if first, decoder layers, the final norm and
+    lm_head if last. Its only input is the previous stage's output (token ids on the first stage), its only
+    output the hidden states (logits on the last), which is all a PipelineStage sends between ranks.
+
+    No mask travels with the activations: the micro-batches are right-padded, so a real token's causal window
+    never reaches a pad (pads come after every real token of the row), and causal attention alone
+    (attention_mask=None: SDPA's is_causal) computes the real tokens exactly; the pads' outputs are discarded by
+    the labels. Positions are 0..L-1 on every row for the same reason, and each stage recomputes the rotary
+    cos/sin from them (it has no parameters). No KV cache: use_cache is off and nothing is passed."""
+
+    def __init__(self, causal_lm, first_layer: int, num_layers: int, first: bool, last: bool):
+        super().__init__()
+        inner = causal_lm.model
+        self.first_layer = first_layer
+        self.embed_tokens = inner.embed_tokens if first else None
+        self.layers = nn.ModuleList(inner.layers[first_layer : first_layer + num_layers])
+        self.rotary_emb = inner.rotary_emb
+        self.norm = inner.norm if last else None
+        # Qwen3-4B (and the tiny model) tie lm_head to the embedding. With two stages on two ranks the last
+        # stage needs the matrix too: each rank built the whole model, so the last stage keeps its own copy of
+        # the embedding weight in its lm_head. It is frozen, so the copies never drift and need none of the
+        # gradient all-reduce between first and last stage that a trained tied embedding would.
+        self.lm_head = causal_lm.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(x) if self.embed_tokens is not None else x
+        positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
+        cos_sin = self.rotary_emb(h, positions)
+        for layer in self.layers:
+            h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
+        if self.lm_head is not None:
+            h = self.lm_head(self.norm(h))
+        return h
+
+
+def global_adapter_key(stage_name: str, first_layer: int) -> str:
+    """A LoRA parameter's name in a stage -> its key in the full model's PEFT adapter file: the stage-local layer
+    index becomes the global one and PEFT's adapter name ("default") is dropped, as save_pretrained does.
+    'layers.1.mlp.up_proj.lora_A.default.weight' of the stage from layer 2 ->
+    'base_model.model.model.layers.3.mlp.up_proj.lora_A.weight'."""
+    parts = stage_name.split(".")
+    if parts[0] != "layers" or "default" not in parts:
+        raise ValueError(f"not a LoRA parameter of a decoder layer: {stage_name}")
+    parts[1] = str(first_layer + int(parts[1]))
+    parts.remove("default")
+    return "base_model.model.model." + ".".join(parts)
+
+
+class ActionTimer:
+    """Wall-clock start and end of every forward (F) and backward (B) a rank's stages run inside the schedule:
+    the schedule calls each stage's forward_one_chunk / backward_one_chunk once per micro-batch, so wrapping
+    those two methods times each compute action, and the rest of the step is waiting (the bubble) or
+    point-to-point transfer."""
+
+    def __init__(self, stages: list[PipelineStage]):
+        self.t0 = time.perf_counter()
+        self.events: list[tuple[int, str, int, float, float]] = []  # (stage, F/B, micro-batch, start, end)
+        for stage in stages:
+            stage.forward_one_chunk = self._wrap(stage.forward_one_chunk, stage.stage_index, "F")
+            stage.backward_one_chunk = self._wrap(stage.backward_one_chunk, stage.stage_index, "B")
+
+    def _wrap(self, fn, stage: int, kind: str):
+        def timed(chunk_id: int, *args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(chunk_id, *args, **kwargs)
+            finally:
+                self.events.append((stage, kind, chunk_id, start - self.t0, time.perf_counter() - self.t0))
+
+        return timed
+
+    def start(self) -> None:
+        self.t0, self.events = time.perf_counter(), []
+
+    def busy(self) -> float:
+        return sum(end - start for _, _, _, start, end in self.events)
+
+
+def record_sends(stages: list[PipelineStage], recorder: comm.CommRecorder) -> None:
+    """Count the bytes each stage sends. The schedules batch their point-to-point operations as P2POp(dist.isend,
+    ...) and check `op is dist.isend`, so wrapping dist.isend (ftkit.comm.recording) would break them; the sends
+    are recorded where the stage builds them instead. The schedule waits for these works itself, so only bytes and
+    counts are recorded (time_s stays 0)."""
+    for stage in stages:
+        for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
+            build = getattr(stage, name)
+
+            def counted(chunk_id: int, build=build):
+                ops = build(chunk_id)
+                for op in ops:
+                    recorder.completed("send", recorder.issued("send", comm.nbytes(op.tensor)))
+                return ops
+
+            setattr(stage, name, counted)
+
+
+def main() -> None:
+    args = parse_args()
+    # ---- process group: one process per GPU; each owns one pipeline stage (two with interleaved 1F1B).
+    if "LOCAL_RANK" not in os.environ:
+        raise run.RunError(
+            "launch this script with torchrun, one process per GPU:\n    uv run torchrun --nproc_per_node=2 "
+            + " ".join(sys.argv)
+        )
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = run.device_for(args, local_rank)
+    if device.type == "cpu":  # the ranks on this machine share its cores instead of each taking all of them
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    if device.type == "cuda":
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world < 2:
+        raise run.RunError("a pipeline needs at least 2 ranks: torchrun --nproc_per_node=2 (or more)")
+    # Pipelining is not data parallelism: every micro-batch of the step goes through every rank.
+    accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
+    n_stages, per_stage = stage_layout(models.model_config(args.model).num_hidden_layers, world, args.schedule)
+    stage_ids = list(range(rank, n_stages, world))  # rank r: stage r, and r + world when interleaved
+    dtype = run.torch_dtype(args.dtype)
+    run_dir, resume_from = run.on_rank0(run.resolve_run_dir, args)
+
+    def print0(*text: str) -> None:
+        if rank == 0:
+            print(*text, flush=True)
+
+    # ---- data: the same global batches on every rank (rank 0 of 1 data-parallel replica)
+    splits = data.load_splits(args.data, args.data_revision)
+    with run.rank0_first():
+        tokenizer = models.load_tokenizer(args.model, data.corpus(splits["train"]))
+    formatter = data.ChatFormatter(tokenizer, args.max_length)
+    train_set, train_stats = formatter.encode_all(splits["train"])
+    val_set, _ = formatter.encode_all(splits["val"])
+    print0(f"train: {train_stats.describe()}")
+    batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
+
+    def padded(items: list) -> dict[str, torch.Tensor]:
+        # A PipelineStage learns the shapes it sends and receives from the first micro-batch and allocates its
+        # receive buffers once, so every micro-batch of every step has one shape: (micro, --max-length).
+        mb = data.collate(items)
+        pad = args.max_length - mb["input_ids"].shape[1]
+        return {
+            "input_ids": nn.functional.pad(mb["input_ids"], (0, pad)),
+            "labels": nn.functional.pad(mb["labels"], (0, pad), value=data.IGNORE_INDEX),
+            "attention_mask": nn.functional.pad(mb["attention_mask"], (0, pad)),
+        }
+
+    # The eval set, in groups of --batch-size examples (the pipeline's shape); the last group is filled with
+    # rows that have no target tokens.
+    chosen = sorted(val_set[: args.eval_examples], key=lambda e: -len(e.input_ids))
+    eval_batches = []
+    for i in range(0, len(chosen), args.batch_size):
+        group = chosen[i : i + args.batch_size]
+        b = padded(group + [group[-1]] * (args.batch_size - len(group)))
+        b["labels"][len(group) :] = data.IGNORE_INDEX
+        eval_batches.append(b)
+
+    # ---- model: every rank builds the whole frozen base and the whole LoRA adapter from the seed (the same
+    # weights and the same adapter init as the single-GPU run), then keeps only its stages. At 4B that fits; a
+    # 100B+ model would be built on the meta device and each rank would load only its stages' weights.
+    with run.rank0_first():
+        model = models.load_model(
+            args.model, quant="none", dtype=dtype, device=device, seed=args.seed, vocab_size=len(tokenizer)
+        )
+    config = model.config
+    if args.grad_checkpointing:
+        # Each decoder layer recomputes its activations in backward; the stages call the layers directly, and a
+        # layer applies the checkpointing itself (transformers' GradientCheckpointingLayer).
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+    counts = models.parameter_counts(model)
+    adapter_config = model.peft_config["default"]
+    print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
+
+    # ---- pipeline: a Stage per stage id, wrapped in a PipelineStage that owns its point-to-point buffers
+    lm = model.base_model.model
+    modules = [
+        Stage(lm, sid * per_stage, per_stage, first=sid == 0, last=sid == n_stages - 1).train() for sid in stage_ids
+    ]
+    del model, lm  # the layers of other ranks' stages are freed here
+    stages = [PipelineStage(m, sid, n_stages, device) for m, sid in zip(modules, stage_ids)]
+    has_first, has_last = stages[0].is_first, stages[-1].is_last
+    last_rank = (n_stages - 1) % world
+
+    # The loss of one micro-batch: its token-loss sum over the step's global target tokens. The schedule sums
+    # what loss_fn returns into the gradients, micro-batch by micro-batch; scale_grads=False stops it dividing
+    # them by m as well (its default assumes a per-micro-batch mean loss).
+    denominator = [1.0]
+
+    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return data.token_loss_sum(logits, labels) / denominator[0]
+
+    schedule_cls = SCHEDULES[args.schedule]
+    schedule = schedule_cls(
+        stages if args.schedule == "interleaved-1f1b" else stages[0],
+        n_microbatches=accum,
+        loss_fn=loss_fn,
+        scale_grads=False,
+    )
+    timer_actions = ActionTimer(stages)
+    recorder = comm.CommRecorder(device)
+    record_sends(stages, recorder)
+
+    trainable = [p for m in modules for p in m.parameters() if p.requires_grad]  # this rank's stages only
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
+    scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+
+    def stage_lora() -> dict[str, torch.Tensor]:
+        """This rank's LoRA weights under the full model's adapter keys."""
+        return {
+            global_adapter_key(name, m.first_layer): p.detach().cpu().clone()
+            for m in modules
+            for name, p in m.named_parameters()
+            if p.requires_grad
+        }
+
+    def save_adapter(path) -> None:
+        # Rank 0 gathers every stage's LoRA weights, renamed to global layer indices, into one stock PEFT
+        # adapter for the whole model.
+        parts = [None] * world if rank == 0 else None
+        dist.gather_object(stage_lora(), parts, dst=0)
+        if rank == 0:
+            path.mkdir(parents=True, exist_ok=True)
+            merged = {k: v for part in parts for k, v in part.items()}
+            safetensors.torch.save_file(dict(sorted(merged.items())), path / "adapter_model.safetensors")
+            adapter_config.save_pretrained(path)
+
+    # ---- resume: the merged adapter (each rank takes its stages' keys), each rank's optimizer and RNG
+    start_step = 0
+    if resume_from is not None:
+        state = run.read_checkpoint_state(resume_from, ("adapter/adapter_model.safetensors",))
+        if state.get("world_size") != world or state.get("schedule") != args.schedule:
+            raise run.RunError(
+                f"{resume_from} was written by {state.get('world_size')} ranks with --schedule {state.get('schedule')};"
+                f" resume it with the same (each rank continues its own stages' optimizer state)"
+            )
+        try:
+            weights = safetensors.torch.load_file(resume_from / "adapter" / "adapter_model.safetensors")
+        except Exception as e:
+            raise run.CheckpointError(f"{resume_from}/adapter: corrupt adapter ({e})") from e
+        with torch.no_grad():
+            for m in modules:
+                for name, p in m.named_parameters():
+                    if p.requires_grad:
+                        p.copy_(weights[global_adapter_key(name, m.first_layer)])
+        opt = run.load_torch(resume_from / f"optimizer-rank{rank}.pt", map_location=device)
+        optimizer.load_state_dict(opt["optimizer"])
+        scheduler.load_state_dict(opt["scheduler"])
+        run.set_rng_state(run.load_torch(resume_from / f"rng-rank{rank}.pt"))
+        start_step = state["step"]
+        print0(f"resumed from {resume_from} at step {start_step}")
+
+    hardware = metrics.hardware(device, world_size=world)
+    pipeline = {
+        "schedule": args.schedule,
+        "ranks": world,
+        "stages": n_stages,
+        "stages_per_rank": n_stages // world,
+        "layers_per_stage": per_stage,
+        "microbatches": accum,
+    }
+    run.on_rank0(
+        run.init_run_dir,
+        run_dir,
+        args,
+        {
+            "args": run.args_dict(args),
+            "versions": metrics.versions(),
+            "hardware": hardware,
+            "data": train_stats.as_dict(),
+            "parameters": counts,
+            "accumulation_steps": accum,
+            "pipeline": pipeline,
+        },
+        resume_step=start_step if resume_from is not None else None,
+    )
+    log = metrics.MetricsLog(
+        run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
+    )
+    peak = metrics.peak_flops(device)
+
+    def save_checkpoint(step: int) -> None:
+        # Every rank writes its own optimizer state and RNG into the staging folder rank 0 made; rank 0 writes
+        # the merged adapter and commits once all have written.
+        tmp = run.on_rank0(run.staging_dir, run_dir, step)
+        save_adapter(tmp / "adapter")
+        torch.save(
+            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / f"optimizer-rank{rank}.pt"
+        )
+        torch.save(run.rng_state(), tmp / f"rng-rank{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            state = {"seed": args.seed, "world_size": world, "schedule": args.schedule}
+            run.commit_checkpoint(tmp, step, state, args.keep_checkpoints)
+        dist.barrier()
+
+    def eval_loss() -> float:
+        # Forward only, through the same pipeline; the loss function returns plain sums here.
+        sums = torch.zeros(2, dtype=torch.float64)
+        denominator[0] = 1.0
+        for m in modules:
+            m.eval()
+        for b in eval_batches:
+            losses: list[torch.Tensor] = []
+            with torch.no_grad():
+                schedule.eval(
+                    *([b["input_ids"].to(device)] if has_first else []), target=b["labels"].to(device), losses=losses
+                )
+            if has_last:
+                sums[0] += sum(loss.item() for loss in losses)
+            sums[1] += (b["labels"][:, 1:] != data.IGNORE_INDEX).sum()
+        for m in modules:
+            m.train()
+        recorder.take()  # the eval's sends are not the training step's traffic
+        dist.broadcast(sums, src=last_rank)
+        return (sums[0] / sums[1]).item()
+
+    # ---- train
+    last_step = args.max_steps if args.stop_after is None else args.stop_after
+    timeline: dict | None = None
+    for step in range(start_step, last_step):
+        metrics.reset_peak_memory(device)
+        denominator[0] = batches.n_target(step)  # target tokens of the whole global batch
+        batch = padded([batches.data[i] for i in batches.indices(step)])
+        seq_lens = batch["attention_mask"].sum(1).tolist()
+        losses: list[torch.Tensor] = []
+        with metrics.StepTimer(device) as timer:
+            timer_actions.start()
+            # The schedule splits the batch into m micro-batches along dim 0 and runs its forwards and backwards
+            # in its order; the first stage reads the input ids, the last the labels.
+            inputs = [batch["input_ids"].to(device)] if has_first else []
+            target = batch["labels"].to(device) if has_last else None
+            schedule.step(*inputs, target=target, losses=losses)
+            pipe_time = time.perf_counter() - timer_actions.t0
+            step_events = list(timer_actions.events)
+            # Clipping needs the norm of the whole model's gradient: each rank holds its stages' share, so sum
+            # the squared norms across ranks (the same total torch.nn.utils.clip_grad_norm_ computes on one).
+            sq = torch.zeros((), dtype=torch.float32, device=device)
+            for p in trainable:
+                if p.grad is not None:
+                    sq += p.grad.detach().float().pow(2).sum()
+            dist.all_reduce(sq)
+            grad_norm = sq.sqrt()
+            if args.max_grad_norm > 0:
+                scale = (args.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+                for p in trainable:
+                    if p.grad is not None:
+                        p.grad.mul_(scale)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+        step_comm = recorder.take()
+        # Busy = inside a stage's forward or backward; idle = the rest of the schedule's run (waiting, transfers).
+        busy = timer_actions.busy()
+        mine = torch.tensor([busy, pipe_time], dtype=torch.float64)
+        every = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
+        dist.all_gather(every, mine)
+        loss = torch.tensor(sum(x.item() for x in losses) if has_last else 0.0, dtype=torch.float64)
+        dist.broadcast(loss, src=last_rank)
+        sends = [None] * world
+        dist.all_gather_object(sends, step_comm)
+        busy_s = [t[0].item() for t in every]
+        pipe_s = [t[1].item() for t in every]
+        bubble = [1 - b / w for b, w in zip(busy_s, pipe_s)]
+        flops = metrics.step_flops(seq_lens, config, counts["trainable"])
+        send = {
+            "bytes": sum(s.get("send", {}).get("bytes", 0) for s in sends),
+            "count": sum(s.get("send", {}).get("count", 0) for s in sends),
+            "time_s": 0.0,
+        }
+        row = {
+            "step": step + 1,
+            "loss": loss.item(),
+            "lr": scheduler.get_last_lr()[0],
+            "grad_norm": grad_norm.item(),
+            "target_tokens": denominator[0],
+            "tokens": int(sum(seq_lens)),
+            "step_time_s": timer.seconds,
+            "tokens_per_s": sum(seq_lens) / timer.seconds,
+            "mfu": flops / (timer.seconds * peak * world) if peak else None,
+            "comm": {"send": send},
+            "pipeline_time_s": pipe_s,
+            "busy_s": busy_s,
+            "idle_s": [w - b for b, w in zip(busy_s, pipe_s)],
+            "bubble_per_rank": bubble,
+            "bubble": sum(bubble) / world,
+            **metrics.peak_memory(device),
+        }
+        if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
+            row["eval_loss"] = eval_loss()
+        log.log(row)
+        if step + 1 == last_step:  # the last step's actions, every rank's, for the timeline figure
+            events = [None] * world
+            dist.all_gather_object(events, step_events)
+            timeline = {"ranks": world, "stages": n_stages, "microbatches": accum, "events": events}
+        if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
+            save_checkpoint(step + 1)
+    log.close()
+
+    # ---- save: one stock PEFT adapter for the whole model, merged from the stages on rank 0
+    finished = last_step == args.max_steps
+    if finished:
+        save_adapter(run_dir / "adapter")
+    if rank != 0:
+        return
+    if timeline is not None:
+        (run_dir / "timeline.json").write_text(json.dumps(timeline))
+    p, v, m = world, n_stages // world, accum
+    # The memory model knows GPipe's and 1F1B's in-flight micro-batches. Interleaved 1F1B keeps no more than
+    # GPipe does (at most m micro-batches' activations per layer), so GPipe's figure is its upper bound.
+    predicted = predict(
+        ModelShape.from_config(config),
+        technique="pp",
+        quant="none",
+        dtype=args.dtype,
+        world_size=world,
+        lora_rank=args.lora_rank,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.max_length,
+        grad_checkpointing=args.grad_checkpointing,
+        pp_schedule="1f1b" if args.schedule == "1f1b" else "gpipe",
+        num_microbatches=m,
+    ).as_dict()
+    rows = log.rows
+    summary = {
+        "status": "completed" if finished else f"stopped after step {last_step} (--stop-after); continue with --resume",
+        "run_dir": str(run_dir),
+        "config": run.args_dict(args),
+        "versions": metrics.versions(),
+        "hardware": hardware,
+        "data": train_stats.as_dict(),
+        "parameters": counts,
+        "accumulation_steps": accum,
+        "pipeline": pipeline,
+        **log.summary(),
+        # The bubble: the share of the schedule's time a rank waits, measured, and what the schedule's shape
+        # predicts with equal-cost stages and free transfers: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al.
+        # 2019, arXiv 1811.06965); interleaving v chunks per rank shrinks the bubble time by v, (p-1)/(v*m) of
+        # the ideal time (Narayanan et al. 2021, arXiv 2104.04473, Sec. 2.2), i.e. (p-1)/(v*m+p-1) of the total.
+        "bubble": sum(r["bubble"] for r in rows) / len(rows) if rows else None,
+        "bubble_per_rank": [sum(r["bubble_per_rank"][k] for r in rows) / len(rows) for k in range(world)]
+        if rows
+        else None,
+        "bubble_theory": (p - 1) / (v * m + p - 1),
+        "bubble_note": "per rank and step: 1 - (time inside the stages' forward/backward) / (time inside "
+        "schedule.step); the mean over steps and ranks. Idle time includes point-to-point transfers and the "
+        "schedule's own Python work, which the theory counts as zero",
+        # Each micro-batch crosses every stage boundary once forward (activations) and once backward (their
+        # gradients): micro x --max-length x hidden x bytes, 2 (stages - 1) m times per step.
+        "activation_bytes_per_microbatch": args.micro_batch_size
+        * args.max_length
+        * config.hidden_size
+        * torch.finfo(dtype).bits
+        // 8,
+        **comm.summarize(rows),
+        "comm_note": "per optimizer step, all ranks together: the point-to-point sends between stages (activations "
+        "forward, their gradients backward), counted where the stages build them; time is not measured",
+        "mfu_convention": metrics.MFU_CONVENTION,
+        "peak_flops": peak,
+        "memory_predicted": predicted,
+        "memory_note": "predicted: the memory model (ftkit/memory.py), busiest stage, at micro-batch x --max-length"
+        " (for interleaved 1F1B: GPipe's, an upper bound); measured on rank 0: "
+        + (
+            "CUDA peak allocated"
+            if device.type == "cuda"
+            else "process peak RSS, which also counts Python, libraries and data, so it is not comparable with the "
+            "model's GPU bytes"
+        ),
+    }
+    run.write_summary(run_dir, summary)
+    print(f"run directory: {run_dir}" + (f"\nadapter: {run_dir / 'adapter'}" if finished else ""))
+
+
+if __name__ == "__main__":
+    code = 0
+    try:
+        main()
+    except (run.RunError, data.DataError, run.CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    # Leave without running the C++ static destructors: with gloo about 1 launch in 10 otherwise aborts at exit
+    # ("terminate called without an active exception") after the work is done. Destroy the process group first.
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,0 +1,200 @@
+"""experiments/pp-ft on 2 CPU processes (torchrun, gloo): GPipe, 1F1B and interleaved 1F1B compute the same training
+step as the single-process LoRA reference; the activations sent between stages are what theory says; the bubble is
+recorded and shrinks with more micro-batches; the stage-local adapters merge into the full model's adapter, which
+gives the pipeline's eval loss on one process; resume; a stage count that does not divide the layers is refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import parity
+import pytest
+import torch
+from conftest import ROOT, run_script
+
+TRAIN = "experiments/pp-ft/train.py"
+INFER = "experiments/pp-ft/infer.py"
+STEPS = 4
+MAX_LENGTH = 256
+
+
+def flags(data_dir, micro: int, *extra: str) -> list[str]:
+    return [
+        "--smoke",
+        "--data",
+        str(data_dir),
+        "--max-steps",
+        str(STEPS),
+        "--max-length",
+        str(MAX_LENGTH),
+        "--batch-size",
+        "8",
+        "--micro-batch-size",
+        str(micro),
+        "--eval-every",
+        "2",
+        "--save-every",
+        "2",
+        "--eval-examples",
+        "8",
+        "--no-progress",
+        *extra,
+    ]
+
+
+def train_module():
+    spec = importlib.util.spec_from_file_location("pp_train", ROOT / TRAIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def launch(tmp_path_factory, name: str, *args: str) -> parity.Launch:
+    run = parity.torchrun(TRAIN, *args, "--output-dir", str(tmp_path_factory.mktemp("pp") / name))
+    assert run.returncode == 0, run.report()
+    return run
+
+
+# Global batch 8 in every run. GPipe with 2 micro-batches of 4, 1F1B with 8 of 1 (GPipe and 1F1B have the same
+# bubble, (p-1)/(m+p-1): 1/3 at m=2, 1/9 at m=8), interleaved 1F1B with 4 of 2 on 2 ranks x 2 stages.
+@pytest.fixture(scope="module")
+def gpipe(tmp_path_factory, data_dir):
+    return launch(tmp_path_factory, "gpipe", *flags(data_dir, 4, "--schedule", "gpipe"))
+
+
+@pytest.fixture(scope="module")
+def one_f_one_b(tmp_path_factory, data_dir):
+    """1F1B, interrupted after step 2 (--stop-after) and resumed from its checkpoint: parity with the reference
+    then also proves that resuming continues the same run."""
+    out = tmp_path_factory.mktemp("pp") / "1f1b"
+    args = flags(data_dir, 1, "--schedule", "1f1b")
+    first = parity.torchrun(TRAIN, *args, "--output-dir", str(out), "--stop-after", "2")
+    assert first.returncode == 0, first.report()
+    assert not (out / "adapter").exists() and (out / "checkpoints" / "step-2").is_dir()
+    second = parity.torchrun(TRAIN, *args, "--resume", str(out), "--output-dir", str(out))
+    assert second.returncode == 0, second.report()
+    assert "resumed from" in second.ranks[0]["stdout"]
+    return second
+
+
+@pytest.fixture(scope="module")
+def interleaved(tmp_path_factory, data_dir):
+    return launch(tmp_path_factory, "interleaved", *flags(data_dir, 2, "--schedule", "interleaved-1f1b"))
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory, data_dir):
+    # Micro-batches are accumulation here: the reference's micro-batch size changes summation order only.
+    return parity.reference(tmp_path_factory.mktemp("ref"), *flags(data_dir, 2), quant="none")
+
+
+@pytest.mark.parametrize("run_name", ["gpipe", "one_f_one_b", "interleaved"])
+def test_same_step_as_the_single_process_reference(request, reference, run_name):
+    run = request.getfixturevalue(run_name)
+    loss = parity.compare_losses(run.run_dir, reference)
+    eval_loss = parity.compare_losses(run.run_dir, reference, key="eval_loss")
+    adapter = parity.compare_adapters(run.run_dir / "adapter", reference / "adapter")
+    print(f"{run_name}: max |loss diff| {loss:.2e}, eval {eval_loss:.2e}, adapter {adapter:.2e}")
+    assert loss <= parity.LOSS_TOL and eval_loss <= parity.LOSS_TOL
+    assert adapter <= parity.ADAPTER_TOL
+    assert [r["step"] for r in parity.metrics(run.run_dir)] == list(range(1, STEPS + 1))
+
+
+@pytest.mark.parametrize("run_name, stages, micro", [("gpipe", 2, 4), ("one_f_one_b", 2, 1), ("interleaved", 4, 2)])
+def test_activation_bytes_between_stages_match_theory(request, run_name, stages, micro):
+    """Each micro-batch crosses each of the stages - 1 boundaries twice: its activations (micro x seq x hidden x
+    4 bytes in fp32) forward, their gradient (the same size) backward."""
+    run = request.getfixturevalue(run_name)
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    hidden = 128  # the tiny model
+    per_micro = micro * MAX_LENGTH * hidden * 4
+    m = 8 // micro
+    assert summary["activation_bytes_per_microbatch"] == per_micro
+    assert summary["pipeline"]["stages"] == stages and summary["pipeline"]["microbatches"] == m
+    for row in parity.metrics(run.run_dir):
+        assert row["comm"]["send"]["count"] == 2 * (stages - 1) * m
+        assert row["comm"]["send"]["bytes"] == 2 * (stages - 1) * m * per_micro
+    assert summary["comm_bytes_per_step"] == 2 * (stages - 1) * m * per_micro
+
+
+def test_bubble_is_recorded_and_shrinks_with_more_microbatches(gpipe, one_f_one_b, interleaved):
+    def summary(run):
+        return json.loads((run.run_dir / "summary.json").read_text())
+
+    few, many, inter = summary(gpipe), summary(one_f_one_b), summary(interleaved)
+    assert few["bubble_theory"] == pytest.approx(1 / 3) and many["bubble_theory"] == pytest.approx(1 / 9)
+    assert inter["bubble_theory"] == pytest.approx(1 / 9)  # (p-1)/(v*m+p-1), p=2, v=2, m=4
+    for s in (few, many, inter):
+        assert 0 < s["bubble"] < 1 and len(s["bubble_per_rank"]) == 2
+    for row in parity.metrics(gpipe.run_dir):
+        for busy, idle, total in zip(row["busy_s"], row["idle_s"], row["pipeline_time_s"]):
+            assert busy > 0 and idle >= 0 and busy + idle == pytest.approx(total)
+    print(f"bubble measured: gpipe m=2 {few['bubble']:.3f}, 1f1b m=8 {many['bubble']:.3f}")
+    assert many["bubble"] < few["bubble"]
+
+
+def test_timeline_has_every_action(interleaved):
+    """The last step's forward and backward of every micro-batch on every stage, per rank (for the figure)."""
+    timeline = json.loads((interleaved.run_dir / "timeline.json").read_text())
+    assert timeline["ranks"] == 2 and timeline["stages"] == 4
+    for rank, events in enumerate(timeline["events"]):
+        actions = sorted((stage, kind, mb) for stage, kind, mb, _, _ in events)
+        assert actions == sorted((s, k, mb) for s in (rank, rank + 2) for k in "FB" for mb in range(4))
+        assert all(0 <= start <= end for *_, start, end in events)
+
+
+def test_layer_indices_are_remapped_to_the_full_model():
+    key = train_module().global_adapter_key
+    assert key("layers.1.mlp.up_proj.lora_A.default.weight", 2) == (
+        "base_model.model.model.layers.3.mlp.up_proj.lora_A.weight"
+    )
+    assert key("layers.0.self_attn.q_proj.lora_B.default.weight", 0) == (
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
+    )
+    with pytest.raises(ValueError):
+        key("lm_head.weight", 2)
+
+
+def test_merged_adapter_on_one_process_gives_the_pipelines_eval_loss(interleaved, data_dir):
+    """The full model + the merged adapter, one process, no pipeline: the eval loss over the same held-out
+    examples equals the one the pipeline's last stage computed from its logits at the last step."""
+    from peft import PeftModel
+
+    from ftkit import data, models, run
+
+    splits = data.load_splits(str(data_dir), None)
+    tokenizer = models.load_tokenizer("tiny", data.corpus(splits["train"]))
+    val_set, _ = data.ChatFormatter(tokenizer, MAX_LENGTH).encode_all(splits["val"])
+    base = models.load_model(
+        "tiny", quant="none", dtype=torch.float32, device=torch.device("cpu"), seed=0, vocab_size=len(tokenizer)
+    )
+    model = PeftModel.from_pretrained(base, interleaved.run_dir / "adapter")
+    sums = run.eval_loss_sums(model, run.eval_micro_batches(val_set, 8, 2), torch.device("cpu"))
+    pipeline_eval = parity.metrics(interleaved.run_dir)[-1]["eval_loss"]
+    assert abs((sums[0] / sums[1]).item() - pipeline_eval) <= parity.LOSS_TOL
+
+
+def test_infer_on_the_merged_adapter(gpipe):
+    proc = run_script(INFER, "--smoke", "--run", str(gpipe.run_dir), "--num-examples", "2", "--max-new-tokens", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ROUGE F1" in proc.stdout
+
+
+def test_stage_layout():
+    layout = train_module().stage_layout
+    assert layout(4, 2, "1f1b") == (2, 2)
+    assert layout(4, 2, "interleaved-1f1b") == (4, 1)
+    assert layout(36, 4, "gpipe") == (4, 9)  # Qwen3-4B on 4 GPUs
+    with pytest.raises(Exception, match="do not divide"):
+        layout(36, 8, "interleaved-1f1b")  # 16 stages
+
+
+def test_stages_that_do_not_divide_the_layers_are_refused(tmp_path, data_dir):
+    """3 ranks, 3 stages, 4 layers: refused before the model loads, with a message. Every rank refuses, but
+    torchrun stops the others once one has exited, so the message must come from at least one rank."""
+    run = parity.torchrun(TRAIN, *flags(data_dir, 2), "--output-dir", str(tmp_path / "o"), nproc=3)
+    assert run.returncode != 0
+    stderr = [run.stderr(rank) for rank in (0, 1, 2)]
+    assert any("do not divide" in e for e in stderr) and not any("Traceback" in e for e in stderr), run.report()
+    assert not (tmp_path / "o").exists()
