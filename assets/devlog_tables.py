@@ -16,7 +16,16 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
 # Flags that every run sets on its own (paths) or that do not change what is measured.
-IGNORED_FLAGS = {"output_dir", "resume", "progress", "experiment", "data", "stop_after", "data_revision"}
+IGNORED_FLAGS = {
+    "output_dir",
+    "resume",
+    "progress",
+    "experiment",
+    "data",
+    "stop_after",
+    "data_revision",
+    "profile_steps",
+}
 
 
 def hardware(summary: dict) -> str:

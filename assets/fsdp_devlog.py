@@ -41,13 +41,13 @@ def table() -> str:
         s = json.loads((run / "summary.json").read_text())
         metrics = rows(run)
         diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(metrics, ref)) if ref else None
-        lost = [r["lost_update_fraction"] for r in metrics if r["lr"] > 0]
+        lost = [r["lost_update_fraction"] for r in metrics if r["lr"] > 0 and "lost_update_fraction" in r]
         lines.append(
             f"| `{run.name}` | {s['fsdp_units']} | {s['param_shard_bytes']:,} | {s['largest_unit_bytes']:,} "
             f"| {per_step(s, 'all_gather', 'bytes')} ({s['theory_all_gather_bytes']:,}) "
             f"| {per_step(s, 'all_gather', 'count')} "
             f"| {per_step(s, 'reduce_scatter', 'bytes')} ({s['theory_reduce_scatter_bytes']:,}) "
-            f"| {diff:.2e} | {sum(lost) / len(lost):.2%} | {s.get('kv_cache_bytes', '-')} |"
+            f"| {diff:.2e} | {f'{sum(lost) / len(lost):.2%}' if lost else '-'} | {s.get('kv_cache_bytes', '-')} |"
         )
     return "\n".join(lines)
 

@@ -16,11 +16,11 @@ copy_run() {  # copy_run RUN_DIR DEST
     cp "$1/summary.json" "$1/metrics.jsonl" "$2/"
 }
 
-launch() {  # launch DIR FLAGS...: the FSDP script under torchrun, 2 processes
+launch() {  # launch DIR FLAGS...: the FSDP script under torchrun, 2 processes, counting lost adapter updates
     local dir=$1
     shift
     $PY -m torch.distributed.run --standalone --nproc_per_node=2 \
-        experiments/fsdp-ft/train.py --data "$DATA" --no-progress --output-dir "$dir" "$@"
+        experiments/fsdp-ft/train.py --data "$DATA" --no-progress --count-lost-updates --output-dir "$dir" "$@"
 }
 
 measure() {  # measure NAME FLAGS...

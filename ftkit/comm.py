@@ -275,3 +275,21 @@ def recording_functional(recorder: CommRecorder) -> Iterator[CommRecorder]:
 
     with Mode():
         yield recorder
+
+
+def record_stage_sends(stages: list, recorder: CommRecorder) -> None:
+    """Count the bytes each `torch.distributed.pipelining` stage sends (experiments/pp-ft). The schedules batch
+    their point-to-point operations as P2POp(dist.isend, ...) and check `op is dist.isend`, so wrapping dist.isend
+    (`recording`) would break them; the sends are recorded where the stage builds them instead. The schedule
+    waits for these works itself, so only bytes and counts are recorded (time_s stays 0)."""
+    for stage in stages:
+        for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
+            build = getattr(stage, name)
+
+            def counted(chunk_id: int, build=build):
+                ops = build(chunk_id)
+                for op in ops:
+                    recorder.completed("send", recorder.issued("send", nbytes(op.tensor)))
+                return ops
+
+            setattr(stage, name, counted)

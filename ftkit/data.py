@@ -343,6 +343,13 @@ class GlobalBatches:
         """Target (answer) tokens in the whole global batch: the loss denominator on every rank."""
         return sum(self.data[i].n_target for i in self.indices(step))
 
+    def lengths(self, step: int) -> list[int]:
+        """Real (non-pad) tokens of each sequence of the global batch: every rank knows them without a collective."""
+        return [len(self.data[i].input_ids) for i in self.indices(step)]
+
+    def n_tokens(self, step: int) -> int:
+        return sum(self.lengths(step))
+
     def micro_batches(self, step: int, micro_batch_size: int, rank: int = 0, world: int = 1) -> list[dict]:
         """This rank's micro-batches of step `step`. Micro-step j of rank r takes the slice
         [(j*world + r)*m, (j*world + r + 1)*m) of the sorted global batch, so the ranks' micro-batches at one
@@ -367,28 +374,60 @@ def accumulation_steps(batch_size: int, micro_batch_size: int, data_parallel: in
     return batch_size // per_step
 
 
-def collate(items: Sequence[Encoded], pad_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-padded tensors; padding is masked out of attention and of the labels."""
+def collate(items: Sequence[Encoded], pad_id: int = 0) -> dict:
+    """Right-padded tensors (padding masked out of attention and of the labels), and what the loss needs,
+    worked out here on the host so that the training step never has to ask the GPU:
+
+    - `lengths`: real tokens per row, Python ints (for the token and FLOP counts);
+    - `logit_positions` [rows, k]: the positions whose next token is a target (k = the most targets in a row),
+      short rows padded with position 0;
+    - `targets` [rows, k]: those next tokens, IGNORE_INDEX where padded.
+
+    The lm_head then runs on the answer positions only (`logits_to_keep=logit_positions`): with Qwen3's 151,936-
+    word vocabulary, logits for every position of a 2 x 2048 micro-batch are 1.2 GB in fp32, and all but the
+    answer's few hundred positions would be thrown away by the loss."""
     width = max(len(e.input_ids) for e in items)
     ids = torch.full((len(items), width), pad_id, dtype=torch.long)
     labels = torch.full((len(items), width), IGNORE_INDEX, dtype=torch.long)
     mask = torch.zeros((len(items), width), dtype=torch.long)
-    for row, e in enumerate(items):
+    positions = [[p for p in range(len(e.labels) - 1) if e.labels[p + 1] != IGNORE_INDEX] for e in items]
+    k = max(1, max(len(p) for p in positions))
+    logit_positions = torch.zeros((len(items), k), dtype=torch.long)
+    targets = torch.full((len(items), k), IGNORE_INDEX, dtype=torch.long)
+    for row, (e, pos) in enumerate(zip(items, positions)):
         n = len(e.input_ids)
         ids[row, :n] = torch.tensor(e.input_ids)
         labels[row, :n] = torch.tensor(e.labels)
         mask[row, :n] = 1
-    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        logit_positions[row, : len(pos)] = torch.tensor(pos, dtype=torch.long)
+        targets[row, : len(pos)] = torch.tensor([e.labels[p + 1] for p in pos], dtype=torch.long)
+    return {
+        "input_ids": ids,
+        "attention_mask": mask,
+        "labels": labels,
+        "logit_positions": logit_positions,
+        "targets": targets,
+        "lengths": [len(e.input_ids) for e in items],
+    }
 
 
-def token_loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Sum (not mean) of next-token cross-entropy over target tokens, in fp32. Divided by the target tokens of
-    the whole global batch, the sum makes every split of the batch (micro-steps, ranks, stages) give the same
-    gradient as one big batch."""
-    logits = logits[:, :-1].float()
-    targets = labels[:, 1:]
+def to_device(batch: dict, device: torch.device) -> dict:
+    """The batch's tensors on `device` (Python values as they are). On CUDA the copy goes from pinned memory
+    with non_blocking=True: a copy from pageable memory makes the host wait for it."""
+    if device.type != "cuda":
+        return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return {
+        k: v.pin_memory().to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+    }
+
+
+def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Sum (not mean) of cross-entropy over target tokens, in fp32. `logits` [rows, k, vocab] are the model's
+    logits at a batch's `logit_positions` and `targets` [rows, k] the tokens that follow them (see `collate`).
+    Divided by the target tokens of the whole global batch, the sum makes every split of the batch (micro-steps,
+    ranks, stages) give the same gradient as one big batch."""
     return torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
+        logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
 
 

@@ -7,8 +7,8 @@ Everything here is arithmetic on the model shape; nothing is measured. The compo
   block of 64 weights, itself quantized to 8 bits with one fp32 constant per 256 absmaxes ("double
   quantization"), i.e. 8/64 + 32/(64*256) = 0.127 bits/param (paper, Sec. 3). Embeddings, the tied
   lm_head and the norms are not quantized (transformers converts the nn.Linear layers but the lm_head)
-  and stay in the compute dtype, unless `prepare_model_for_kbit_training` upcasts them to fp32
-  (`kbit_upcast`).
+  and stay in the compute dtype, as the scripts keep them (`models.freeze_base`); `kbit_upcast` models
+  peft's `prepare_model_for_kbit_training` instead, which upcasts them to fp32.
 - lora: the adapters, fp32 (4 B/param): PEFT keeps adapter weights in fp32 even on a bf16 base
   (`autocast_adapter_dtype=True`).
 - gradients: fp32, LoRA only (the base is frozen). DDP adds its bucket copy of them.
@@ -270,7 +270,8 @@ def predict(
     lora_targets: Sequence[str] = LORA_TARGETS,
     lora_dropout: float = 0.0,
     full_finetune: bool = False,
-    kbit_upcast: bool = True,
+    kbit_upcast: bool = False,
+    logit_positions: int | None = None,
     micro_batch_size: int = 1,
     seq_len: int = 2048,
     grad_checkpointing: bool = True,
@@ -295,7 +296,9 @@ def predict(
     - Checkpointing is non-reentrant and per decoder layer: each layer keeps its input (a*h per token) and
       backward recomputes one layer at a time, so one layer's full activations are added once.
     - Logits: the lm_head output (activation dtype) held by the model output, plus the fp32 log-softmax that
-      cross-entropy saves: (a + 4)*vocab per token. Under TP they are gathered (full vocab on every rank).
+      cross-entropy saves: (a + 4)*vocab per position the lm_head runs on. The scripts run it on the answer
+      positions only (`logits_to_keep`); `logit_positions` is how many per sequence, None counting every
+      position (seq_len), an upper bound. Under TP they are gathered (full vocab on every rank).
     - FSDP2: at peak the current layer and the prefetched next one are unsharded (all layers with
       reshard_after_forward=False), and the root unit (embeddings, final norm) stays unsharded throughout,
       FSDP2's default for the root module.
@@ -378,8 +381,8 @@ def predict(
             acts += layer_acts  # the layer being recomputed in backward
         if last:
             final_norm = FP32 * (shape.hidden + 1) + (2 * act * shape.hidden if full_finetune else 0)
-            logits = (act + FP32) * shape.vocab
-            acts += in_flight * tokens * (final_norm / sp + logits)
+            logits = (act + FP32) * shape.vocab * micro_batch_size * (logit_positions or seq_len)
+            acts += in_flight * (tokens * final_norm / sp + logits)
         return MemoryPrediction(
             weights=weights / shards,
             lora=lora / shards,

@@ -17,10 +17,12 @@ import os
 import platform
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 MFU_CONVENTION = (
     "model FLOPs per real token = 4*N_frozen + 6*N_lora + 6*layers*heads*head_dim*seq_len (causal attention, "
@@ -63,6 +65,41 @@ def step_flops(seq_lens: list[int], config, n_lora: int) -> float:
     per_token = 4 * matmul_params(config) + 6 * n_lora
     d = config.num_attention_heads * config.head_dim
     return float(sum(s * per_token + 6 * config.num_hidden_layers * d * s * s for s in seq_lens))
+
+
+def step_row(
+    *,
+    step: int,
+    loss: float,
+    grad_norm: float,
+    lr: float,
+    target_tokens: int,
+    lengths: list[int],
+    config,
+    n_lora: int,
+    seconds: float,
+    peak: float | None,
+    devices: int,
+    device: torch.device,
+    **technique,
+) -> dict:
+    """One optimizer step's metrics row: the loss, the real (non-pad) tokens of the global batch and their rate,
+    MFU by the module's convention over `devices` GPUs, what the technique adds, and the peak memory."""
+    tokens = sum(lengths)
+    flops = step_flops(lengths, config, n_lora)
+    return {
+        "step": step,
+        "loss": loss,
+        "lr": lr,
+        "grad_norm": grad_norm,
+        "target_tokens": target_tokens,
+        "tokens": tokens,
+        "step_time_s": seconds,
+        "tokens_per_s": tokens / seconds,
+        "mfu": flops / (seconds * peak * devices) if peak else None,
+        **technique,
+        **peak_memory(device),
+    }
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -120,19 +157,55 @@ def versions() -> dict:
     return out
 
 
+class HostSyncCounter(TorchFunctionMode):
+    """Counts the calls, made from this project's own code (experiments/ and ftkit/), that copy a tensor's value to
+    the host: .item(), .tolist(), bool(), float(), int(). On CUDA each one makes the host wait for the GPU to
+    finish everything queued before it, so one inside the micro-batch loop stalls the pipeline of kernel launches.
+    On CPU nothing waits, but the calls are the same: counting them there is how the tests keep the GPU path to
+    at most one wait per optimizer step. Library code (transformers, peft, torch) is not counted."""
+
+    CALLS = {
+        torch.Tensor.item,
+        torch.Tensor.tolist,
+        torch.Tensor.__bool__,
+        torch.Tensor.__float__,
+        torch.Tensor.__int__,
+    }
+    OURS = (str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "experiments"))
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.CALLS and sys._getframe(1).f_code.co_filename.startswith(self.OURS):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
 class MetricsLog:
-    """`metrics.jsonl` (one object per optimizer step) and a progress bar, on rank 0 only."""
+    """`metrics.jsonl` (one object per optimizer step) and a progress bar, on rank 0 only.
+
+    With FTKIT_COUNT_HOST_SYNCS=1 in the environment (the tests set it), each row also gets `host_syncs`: the
+    HostSyncCounter's count since the previous row, i.e. over one optimizer step with its metrics (and the eval
+    or checkpoint that came with the step before)."""
 
     def __init__(self, run_dir: Path, rank: int, total_steps: int, start_step: int = 0, progress: bool = True):
         self.rank, self.rows = rank, []
         self.path = Path(run_dir) / "metrics.jsonl"
         self.bar = None
+        self.syncs = None
+        if os.environ.get("FTKIT_COUNT_HOST_SYNCS") == "1":
+            self.syncs = HostSyncCounter()
+            self.syncs.__enter__()
         if rank == 0 and progress:
             from tqdm.auto import tqdm
 
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
     def log(self, row: dict) -> None:
+        if self.syncs is not None:
+            row["host_syncs"], self.syncs.count = self.syncs.count, 0
         self.rows.append(row)
         if self.rank != 0:
             return
@@ -146,6 +219,9 @@ class MetricsLog:
             print(json.dumps(row), flush=True)
 
     def close(self) -> None:
+        if self.syncs is not None:
+            self.syncs.__exit__(None, None, None)
+            self.syncs = None
         if self.bar is not None:
             self.bar.close()
 
@@ -172,16 +248,181 @@ class MetricsLog:
 
 
 class StepTimer:
+    """The time of a block of work on `device`. On CPU, wall-clock. On CUDA the host only queues kernels, so a
+    wall-clock would measure the launches: CUDA events are recorded on the stream at the start and the end,
+    and `seconds` waits for the end event (the one wait, which the step's metrics need anyway)."""
+
     def __init__(self, device: torch.device):
         self.device = device
 
     def __enter__(self):
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.t0 = time.perf_counter()
+            self.start, self.end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            self.start.record()
+        else:
+            self.t0 = time.perf_counter()
         return self
 
     def __exit__(self, *exc):
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.seconds = time.perf_counter() - self.t0
+            self.end.record()
+        else:
+            self.elapsed = time.perf_counter() - self.t0
+
+    @property
+    def seconds(self) -> float:
+        if self.device.type == "cuda":
+            self.end.synchronize()
+            return self.start.elapsed_time(self.end) / 1e3
+        return self.elapsed
+
+
+def memory_note(device: torch.device, extra: str = "") -> str:
+    """What the summary's predicted and measured memory are."""
+    measured = (
+        "CUDA peak allocated"
+        if device.type == "cuda"
+        else "process peak RSS, which also counts Python, libraries and data, so it is not comparable with the "
+        "model's GPU bytes"
+    )
+    predicted = "predicted: the memory model (ftkit/memory.py) at micro-batch x --max-length"
+    return f"{predicted}; measured on rank 0: {extra}{measured}"
+
+
+def run_config(args, hardware: dict, data_stats: dict, counts: dict, accum: int, **technique) -> dict:
+    """config.json: the resolved flags, versions, hardware, data statistics and parameter counts of a run."""
+    return {
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "versions": versions(),
+        "hardware": hardware,
+        "data": data_stats,
+        "parameters": counts,
+        "accumulation_steps": accum,
+        **technique,
+    }
+
+
+def predicted_memory(config, args, technique: str, **setting) -> dict:
+    """The memory model's bytes (ftkit/memory.py) for this run's model and flags; `setting`: what the technique
+    adds (quant, world_size, reshard_after_forward, pp_schedule, ...). Logits are counted at every position, an
+    upper bound: the scripts compute them at the answer positions only."""
+    from ftkit.memory import ModelShape, predict
+
+    return predict(
+        ModelShape.from_config(config),
+        technique=technique,
+        dtype=args.dtype,
+        lora_rank=args.lora_rank,
+        lora_dropout=args.lora_dropout,
+        micro_batch_size=args.micro_batch_size,
+        seq_len=args.max_length,
+        grad_checkpointing=args.grad_checkpointing,
+        **setting,
+    ).as_dict()
+
+
+def run_summary(
+    run_config: dict, log: MetricsLog, *, run_dir: Path, last_step: int, peak: float | None, predicted: dict,
+    note: str, **technique
+) -> dict:  # fmt: skip
+    """summary.json: what every run reports (status, the run's config.json, medians and peaks, the MFU
+    convention, the memory prediction), then what the technique adds (`technique`: comm theory, bubble, ...)."""
+    args = run_config["args"]
+    finished = last_step == args["max_steps"]
+    return {
+        "status": "completed" if finished else f"stopped after step {last_step} (--stop-after); continue with --resume",
+        "run_dir": str(run_dir),
+        "config": args,
+        **{k: v for k, v in run_config.items() if k != "args"},
+        **log.summary(),
+        **technique,
+        "mfu_convention": MFU_CONVENTION,
+        "peak_flops": peak,
+        "memory_predicted": predicted,
+        "memory_note": note,
+    }
+
+
+class SavedActivations:
+    """Bytes autograd saves for backward while some modules run (distinct storages, parameters excluded): what a
+    region of the model (a decoder layer, its norms) really keeps, to check the memory model's
+    `layer_activation_bytes` against. Use `pack` as the pack hook of `torch.autograd.graph.saved_tensors_hooks`
+    around one forward, then `bytes()`."""
+
+    def __init__(self, model, regions: dict[str, list[torch.nn.Module]]):
+        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self.active: set[str] = set()
+        self.saved: dict[str, dict[int, int]] = {name: {} for name in regions}
+        self.handles = []
+        for name, modules in regions.items():
+            for m in modules:
+                self.handles.append(m.register_forward_pre_hook(lambda *_, n=name: self.active.add(n)))
+                self.handles.append(m.register_forward_hook(lambda *_, n=name: self.active.discard(n)))
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.params:
+            for name in self.active:
+                self.saved[name][storage.data_ptr()] = storage.nbytes()
+        return t  # kept alive by the graph, so its address is not reused by another saved tensor
+
+    def bytes(self) -> dict[str, int]:
+        for h in self.handles:
+            h.remove()
+        return {name: sum(s.values()) for name, s in self.saved.items()}
+
+
+class ActionTimer:
+    """The pipeline bubble's clock (experiments/pp-ft): start and end of every forward (F) and backward (B) that a
+    rank's `torch.distributed.pipelining` stages run inside the schedule. The schedule calls each stage's
+    forward_one_chunk / backward_one_chunk once per micro-batch, so wrapping those two methods times each compute
+    action, and the rest of the step is waiting (the bubble) or point-to-point transfer.
+
+    On CPU the marks are wall-clock. On CUDA the host only queues the kernels, so a wall-clock would time the
+    launches: the marks are CUDA events on the compute stream (recorded after the stream was made to wait for the
+    received activations), read once per step after the last one completes."""
+
+    def __init__(self, stages: list, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[int, str, int, object, object]] = []  # (stage, F/B, micro-batch, start, end)
+        for stage in stages:
+            stage.forward_one_chunk = self._wrap(stage.forward_one_chunk, stage.stage_index, "F")
+            stage.backward_one_chunk = self._wrap(stage.backward_one_chunk, stage.stage_index, "B")
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def _wrap(self, fn, stage: int, kind: str):
+        def timed(chunk_id: int, *args, **kwargs):
+            start = self._now()
+            try:
+                return fn(chunk_id, *args, **kwargs)
+            finally:
+                self.marks.append((stage, kind, chunk_id, start, self._now()))
+
+        return timed
+
+    def start(self) -> None:
+        self.marks, self.t0 = [], self._now()
+
+    def stop(self) -> None:
+        self.t1 = self._now()
+
+    def read(self) -> tuple[list[tuple[int, str, int, float, float]], float, float]:
+        """(events in seconds since start, busy seconds, seconds from start to stop)."""
+        if self.cuda:
+            self.t1.synchronize()
+
+            def since(mark):
+                return self.t0.elapsed_time(mark) / 1e3
+        else:
+
+            def since(mark):
+                return mark - self.t0
+
+        events = [(stage, kind, mb, since(a), since(b)) for stage, kind, mb, a, b in self.marks]
+        return events, sum(end - start for *_, start, end in events), since(self.t1)

@@ -135,16 +135,42 @@ def load_tokenizer(model: str, train_texts: Iterable[str] | None = None):
     return AutoTokenizer.from_pretrained(model)
 
 
-def attention_implementation(device: torch.device) -> str:
-    """flash-attention-2 where it is installed and the device is CUDA; PyTorch SDPA otherwise."""
-    if device.type == "cuda":
-        try:
-            import flash_attn  # noqa: F401
+def attention_implementation(device: torch.device, dtype: torch.dtype) -> str:
+    """The attention kernel, chosen from the training device and the compute dtype alone, so every rank chooses
+    the same one whatever device it builds the model on: flash-attention-2 where it is installed, the device is
+    CUDA and the dtype is bf16/fp16 (its kernels run nothing else); PyTorch SDPA otherwise, and says why."""
+    if device.type != "cuda":
+        return "sdpa"
+    if not flash_attn_installed():
+        _say("flash-attn is not installed: using PyTorch SDPA attention (uv sync --extra flash-attn)")
+        return "sdpa"
+    if dtype not in (torch.bfloat16, torch.float16):
+        _say(f"flash-attention runs bf16/fp16 only, and the compute dtype is {dtype}: using PyTorch SDPA attention")
+        return "sdpa"
+    return "flash_attention_2"
 
-            return "flash_attention_2"
-        except ImportError:
-            print("flash-attn is not installed: using PyTorch SDPA attention (uv sync --extra flash-attn)")
-    return "sdpa"
+
+def flash_attn_installed() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def _say(message: str) -> None:
+    if os.environ.get("RANK", "0") == "0":  # once per run, not once per rank
+        print(message, flush=True)
+
+
+def fetch(model: str) -> None:
+    """Download a hub model's files into the Hugging Face cache, before the process group exists: a first run
+    downloads ~8 GB, and ranks waiting for rank 0 in a collective meanwhile would hit NCCL's timeout. Every rank
+    calls it; the hub client locks each file, so each is downloaded once per machine. Local paths and the
+    random-init models need nothing."""
+    if model in (TINY, QWEN3_4B_SHAPE) or Path(model).exists():
+        return
+    from huggingface_hub import snapshot_download
+
+    snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
 
 
 def model_config(model: str, vocab_size: int | None = None):
@@ -172,25 +198,27 @@ def bnb_config(compute_dtype: torch.dtype):
 
 
 def _random_init(config, seed: int, dtype: torch.dtype, device: torch.device):
+    """Random weights drawn in `dtype` on the CPU from one seeded generator, then moved: every script, rank and
+    device gets the same weights for a seed, and a GPU never holds an fp32 copy of a bf16 model (Qwen3-4B in
+    fp32 is 16 GB)."""
     from transformers import Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config)
-    return model.to(dtype)
+    with torch.device("cpu"):
+        model = Qwen3ForCausalLM._from_config(config, dtype=dtype)
+    return model.to(device)
 
 
 def _random_init_checkpoint(model: str, config, seed: int) -> Path:
     """Random-init weights saved once per (model, seed, config), so they can be loaded through the same
     `from_pretrained(quantization_config=...)` path as a real checkpoint. bf16 storage, like the hub's."""
     key = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:12]
-    path = cache_dir() / f"{model}-seed{seed}-{key}"
+    path = cache_dir() / f"{model}-seed{seed}-{key}-v2"
     if not (path / "config.json").exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))
-        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         weights = torch.float32 if model == TINY else torch.bfloat16
-        _random_init(config, seed, weights, device).save_pretrained(tmp)
+        _random_init(config, seed, weights, torch.device("cpu")).save_pretrained(tmp)
         if not (tmp / "config.json").exists():  # transformers saves on rank 0 only once a process group is up
             shutil.rmtree(tmp)
             raise RuntimeError(f"{model} weights were not written on this rank: build them on rank 0 first")
@@ -217,13 +245,20 @@ def load_model(
     device: torch.device,
     seed: int,
     vocab_size: int | None = None,
+    attn: str | None = None,
 ):
-    """The base model, frozen-ready, on `device`. quant: "nf4" (QLoRA) or "none"."""
+    """The base model, frozen-ready, on `device` (the meta device: shapes only, for a rank that receives its
+    weights later). quant: "nf4" (QLoRA) or "none". attn: the attention kernel [default: the one for `device`];
+    a script that builds the model on another device than it trains on passes the training device's choice."""
     from transformers import AutoModelForCausalLM
 
     config = model_config(model, vocab_size)
-    attn = attention_implementation(device)
-    if model in (TINY, QWEN3_4B_SHAPE) and quant == "none":
+    attn = attn or attention_implementation(device, dtype)
+    if device.type == "meta":
+        config._attn_implementation = attn
+        with torch.device("meta"):
+            net = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    elif model in (TINY, QWEN3_4B_SHAPE) and quant == "none":
         config._attn_implementation = attn
         net = _random_init(config, seed, dtype, device)
     else:
@@ -236,6 +271,22 @@ def load_model(
             _keep_cpu_4bit_layout(net)
     net.config.use_cache = False  # no KV cache in training: it only costs memory, and checkpointing disables it
     return net
+
+
+def freeze_base(model, grad_checkpointing: bool, reentrant: bool = False):
+    """Freeze every base weight and switch on activation checkpointing, for LoRA on a bf16 or a 4-bit base.
+
+    In place of peft's prepare_model_for_kbit_training, which casts every non-4-bit weight to fp32: the tied
+    embedding / lm_head (151936 x 2560) among them, so that the residual stream, the logits and the step's
+    largest matmul would all run in fp32. Here they stay in the compute dtype; Qwen3's RMSNorm already takes its
+    variance in fp32, and the LoRA adapters are fp32 (peft's default)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        if reentrant:  # the reentrant kind backpropagates only into a checkpoint whose input requires grad
+            model.enable_input_require_grads()
+    return model
 
 
 def lora_config(rank: int, alpha: float, dropout: float):

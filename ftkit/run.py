@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from ftkit.data import SAMPLE_DATA
+from ftkit.profiling import parse_profile_steps
 
 DEFAULT_DATA = "TalTechNLP/AMIsum"
 DEFAULT_DATA_REVISION = "refs/convert/parquet"
@@ -135,6 +136,14 @@ def common_parser(description: str, experiment: str) -> argparse.ArgumentParser:
     g.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps [50; smoke: 10]")
     g.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept")
     g.add_argument(
+        "--profile-steps",
+        type=parse_profile_steps,
+        default=None,
+        metavar="A:B",
+        help="write a torch.profiler trace of optimizer steps A..B (and a CUDA memory snapshot on GPUs) into "
+        "<run>/profile/, for Perfetto / TensorBoard / pytorch.org/memory_viz",
+    )
+    g.add_argument(
         "--no-progress",
         dest="progress",
         action="store_false",
@@ -204,17 +213,84 @@ def device_for(args: argparse.Namespace, local_rank: int = 0) -> torch.device:
     if args.smoke:
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        script = " ".join(sys.argv)
+        from ftkit.gpu import explain_no_cuda
+
+        launcher = "uv run torchrun --nproc_per_node=2" if "LOCAL_RANK" in os.environ else "uv run python"
         raise RunError(
-            "no CUDA device found, and this script trains Qwen3-4B on GPUs. For the CPU walkthrough (tiny "
-            f"Qwen3, real AMI text) add --smoke:\n    {script} --smoke --data ../shared/data/qmsum-ami"
+            f"no usable CUDA device: {explain_no_cuda()}\nThis script trains Qwen3-4B on GPUs. For the CPU "
+            f"walkthrough (tiny Qwen3, real AMI text) add --smoke:\n    {launcher} {' '.join(sys.argv)} --smoke"
         )
     torch.cuda.set_device(local_rank)
     return torch.device("cuda", local_rank)
 
 
+def torchrun_local_rank() -> int:
+    """This process's GPU on its node, from the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE and
+    MASTER_ADDR/PORT, where rank 0 listens)."""
+    if "LOCAL_RANK" not in os.environ:
+        raise RunError(
+            "launch this script with torchrun, one process per GPU:\n    uv run torchrun --nproc_per_node=2 "
+            + " ".join(sys.argv)
+        )
+    return int(os.environ["LOCAL_RANK"])
+
+
+def share_cpu_cores(device: torch.device) -> None:
+    """On CPU the ranks of a machine share its cores instead of each taking all of them."""
+    if device.type == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
+def launch(main) -> None:
+    """Run a train.py's `main`: a RunError/DataError/CheckpointError ends it with its message and exit code 2, not
+    a traceback. Then destroy the process group, if one is up, and leave without running the C++ static
+    destructors: with gloo a launch can otherwise abort at exit ("terminate called without an active exception")
+    after the work is done (devlogs/ddp-ft.md, "The exit abort")."""
+    import torch.distributed as dist
+
+    from ftkit.data import DataError
+
+    code = 0
+    try:
+        main()
+    except (RunError, DataError, CheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        code = 2
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def check_tp_degree(config, tp: int) -> None:
+    """Heads and MLP columns are dealt out whole: a tensor-parallel degree must divide the KV heads (and so the
+    query heads, a multiple of them) and the intermediate size. Checked from the config, before any weight loads."""
+    reasons = [
+        f"{n} {name}"
+        for name, n in (
+            ("key/value heads", config.num_key_value_heads),
+            ("attention heads", config.num_attention_heads),
+            ("intermediate size", config.intermediate_size),
+        )
+        if n % tp
+    ]
+    if reasons:
+        ok = [d for d in range(1, config.num_key_value_heads + 1) if config.num_key_value_heads % d == 0]
+        raise RunError(
+            f"tensor-parallel degree {tp} does not divide the model's {', '.join(reasons)}: each rank must hold "
+            f"whole heads; use --nproc_per_node in {ok}"
+        )
+
+
 def torch_dtype(name: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def print0(*text: str) -> None:
+    """Print once per run (on rank 0), not once per rank."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(*text, flush=True)
 
 
 def fail(message: str) -> None:
@@ -279,10 +355,6 @@ def init_run_dir(run_dir: Path, args: argparse.Namespace, config: dict, resume_s
         tmp.unlink(missing_ok=True)
         tmp.symlink_to(run_dir.name)
         os.replace(tmp, link)
-
-
-def args_dict(args: argparse.Namespace) -> dict:
-    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
 
 
 # ----------------------------------------------------------------------------------------- checkpoints
@@ -357,6 +429,34 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+def save_adapter(path: Path, weights: dict[str, torch.Tensor], peft_config) -> None:
+    """A stock PEFT adapter from a technique's reassembled weights (PEFT's names, without the adapter name): the
+    two files `PeftModel.save_pretrained` writes, which `PeftModel.from_pretrained` loads on one device."""
+    import safetensors.torch
+
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().cpu().contiguous() for k, v in sorted(weights.items())}
+    safetensors.torch.save_file(tensors, path / "adapter_model.safetensors", metadata={"format": "pt"})
+    inference_mode, peft_config.inference_mode = peft_config.inference_mode, True  # as save_pretrained writes it
+    try:
+        peft_config.save_pretrained(path)
+    finally:
+        peft_config.inference_mode = inference_mode
+
+
+@torch.no_grad()
+def dump_logits(model, batch: dict, device: torch.device, path: Path, rank: int) -> None:
+    """The logits of one batch, whole, to `path` on rank 0 (every rank runs the forward): for a test to compare
+    a sharded model with the reassembled adapter on one device."""
+    from ftkit.data import to_device
+
+    model.eval()
+    mb = to_device(batch, device)
+    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+    if rank == 0:
+        torch.save({"batch": batch, "logits": logits.cpu()}, path)
+
+
 def write_summary(run_dir: Path, summary: dict) -> None:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
 
@@ -377,16 +477,18 @@ def eval_micro_batches(encoded: list, n_examples: int, micro_batch_size: int, ra
 @torch.no_grad()
 def eval_loss_sums(model, micro_batches: list[dict], device: torch.device) -> torch.Tensor:
     """[sum of token losses, target tokens] over these micro-batches, as a tensor ready for an all-reduce."""
-    from ftkit.data import token_loss_sum
+    from ftkit.data import to_device, token_loss_sum
 
     was_training = model.training
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     for mb in micro_batches:
-        mb = {k: v.to(device) for k, v in mb.items()}
-        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-        sums[0] += token_loss_sum(logits, mb["labels"]).double()
-        sums[1] += (mb["labels"][:, 1:] != -100).sum()
+        mb = to_device(mb, device)
+        out = model(
+            input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], logits_to_keep=mb["logit_positions"]
+        )
+        sums[0] += token_loss_sum(out.logits, mb["targets"]).double()
+        sums[1] += (mb["targets"] != -100).sum()
     model.train(was_training)
     return sums
 
@@ -415,6 +517,21 @@ def on_rank0(fn, *args, **kwargs):
     return value
 
 
+def encode_data(args: argparse.Namespace, splits: dict) -> tuple:
+    """(tokenizer, encoded train examples, encoded val examples, the train set's EncodeStats): the examples in
+    Qwen3's chat format with the loss on the answer only, cut to --max-length. Rank 0 builds the tokenizer's
+    cache first (the tiny one is trained on the run's own AMI text); the line it prints says what was kept."""
+    from ftkit import data, models
+
+    with rank0_first():
+        tokenizer = models.load_tokenizer(args.model, data.corpus(splits["train"]))
+    formatter = data.ChatFormatter(tokenizer, args.max_length)
+    train_set, train_stats = formatter.encode_all(splits["train"])
+    val_set, _ = formatter.encode_all(splits["val"])
+    print0(f"train: {train_stats.describe()}")
+    return tokenizer, train_set, val_set, train_stats
+
+
 @contextlib.contextmanager
 def rank0_first():
     """Rank 0 runs the block first and fills the caches (the tiny tokenizer, random-init weights, hub downloads);
@@ -422,6 +539,9 @@ def rank0_first():
     writes on rank 0 only, so a cache another rank built would come out empty."""
     import torch.distributed as dist
 
+    if not dist.is_initialized():  # one process: nothing to wait for
+        yield
+        return
     if dist.get_rank() != 0:
         dist.barrier()
     yield

@@ -26,6 +26,14 @@ def private_cache(tmp_path_factory):
     yield
 
 
+@pytest.fixture(scope="session", autouse=True)
+def count_host_syncs():
+    """Every training run of the tests counts, per optimizer step, the .item()/.tolist()-like calls its own code
+    makes (ftkit.metrics.HostSyncCounter; `host_syncs` in metrics.jsonl), for the tests to bound."""
+    os.environ["FTKIT_COUNT_HOST_SYNCS"] = "1"
+    yield
+
+
 @pytest.fixture(scope="session")
 def data_dir() -> Path:
     return DATA

@@ -155,3 +155,19 @@ def compare_adapters(dir_a: Path, dir_b: Path) -> float:
     assert a.keys() == b.keys(), f"different tensors: {sorted(a.keys() ^ b.keys())[:6]}"
     assert all(a[k].shape == b[k].shape for k in a), "different shapes"
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+# Host syncs per optimizer step a train.py may make (.item()/.tolist() and the like on tensors, from its own code):
+# on CUDA each one stalls the host until the GPU has caught up. The scripts make one (the metrics' scalars, copied
+# together); a sync per micro-batch would show as at least the accumulation steps.
+MAX_HOST_SYNCS = 2
+
+
+def host_syncs(run_dir: Path, save_every: int) -> list[int]:
+    """`host_syncs` of the steps that are only a training step: not an eval step, and not right after a checkpoint
+    (whose count includes the save)."""
+    rows = metrics(run_dir)
+    after_checkpoint = [r["step"] > 1 and (r["step"] - 1) % save_every == 0 for r in rows]
+    counts = [r["host_syncs"] for r, after in zip(rows, after_checkpoint) if "eval_loss" not in r and not after]
+    assert counts, "no plain training step to count (every step evaluated or followed a checkpoint)"
+    return counts

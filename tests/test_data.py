@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from ftkit import data, models
 
@@ -134,6 +135,37 @@ def test_rank_shards_union_is_the_global_batch(encoded, world, micro):
         assert sorted(x for r in range(world) for x in rows(shards[r])) == single
         n_target = sum(int((mb["labels"] != data.IGNORE_INDEX).sum()) for s in shards for mb in s)
         assert n_target == batches.n_target(step)
+
+
+def test_answer_only_loss_equals_the_full_vocabulary_loss(encoded, tokenizer):
+    """The lm_head on the answer positions only (`logits_to_keep=logit_positions`) gives the loss, and the gradient,
+    of the full next-token loss over the whole sequence with the prompt masked out; on CPU in fp32 the only
+    difference is the summation order."""
+    batches = data.GlobalBatches(encoded, 8, seed=0)
+    mb = batches.micro_batches(2, micro_batch_size=4)[0]
+    assert mb["lengths"] == mb["attention_mask"].sum(1).tolist()
+    assert (mb["targets"] != data.IGNORE_INDEX).sum() == (mb["labels"] != data.IGNORE_INDEX).sum()
+    model = models.load_model("tiny", quant="none", dtype=torch.float32, device=torch.device("cpu"), seed=0,
+                              vocab_size=len(tokenizer))  # fmt: skip
+
+    def loss_and_grad(keep: bool):
+        model.zero_grad()
+        ids, mask = mb["input_ids"], mb["attention_mask"]
+        if keep:
+            logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=mb["logit_positions"]).logits
+            loss = data.token_loss_sum(logits, mb["targets"])
+            assert logits.shape[:2] == mb["targets"].shape and logits.shape[1] < ids.shape[1] // 2
+        else:  # the whole sequence's logits, shifted by one against the labels
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            loss = data.token_loss_sum(logits[:, :-1], mb["labels"][:, 1:])
+        loss.backward()
+        return loss.item(), model.model.layers[0].mlp.up_proj.weight.grad.clone()
+
+    (answer_only, grad_a), (full, grad_f) = loss_and_grad(True), loss_and_grad(False)
+    print(f"answer-only {answer_only:.6f} vs full {full:.6f}; grad max |diff| {(grad_a - grad_f).abs().max():.2e}")
+    assert grad_f.abs().sum() > 0
+    assert abs(answer_only - full) <= 1e-6 * abs(full)
+    assert torch.allclose(grad_a, grad_f, rtol=1e-5, atol=1e-8)
 
 
 def test_batch_that_does_not_divide_is_refused():

@@ -50,7 +50,7 @@ def launch(tmp_path_factory, name: str, *args: str) -> parity.Launch:
 # Global batch 8 = micro 2 x 2 ranks x 2 accumulation steps; the reference runs it as 4 micro-batches.
 @pytest.fixture(scope="module")
 def accum(tmp_path_factory, data_dir):
-    return launch(tmp_path_factory, "accum", *flags(data_dir, 8))
+    return launch(tmp_path_factory, "accum", *flags(data_dir, 8, "--profile-steps", "2:2"))
 
 
 # Global batch 4 = micro 2 x 2 ranks: no accumulation, one all-reduce per micro-batch.
@@ -181,3 +181,18 @@ def test_bad_flags_are_refused_before_any_work(tmp_path, data_dir, batch, extra,
 def test_launch_without_torchrun_is_refused(tmp_path, data_dir):
     proc = run_script(TRAIN, "--smoke", "--data", str(data_dir), "--output-dir", str(tmp_path / "o"))
     assert proc.returncode != 0 and "torchrun --nproc_per_node" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_no_host_sync_per_micro_batch(accum):
+    counts = parity.host_syncs(accum.run_dir, save_every=3)
+    print(f"host syncs per plain step {counts}")
+    assert max(counts) <= parity.MAX_HOST_SYNCS
+
+
+def test_profile_trace_of_every_rank(accum):
+    """--profile-steps 2:2 (in the accum run's flags): each rank writes a trace that names the step's ops."""
+    for rank in (0, 1):
+        trace = accum.run_dir / "profile" / f"trace-rank{rank}-steps2-2.json"
+        names = {e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]}
+        assert any(n.startswith(("aten::mm", "aten::addmm", "aten::linear")) for n in names)
+        assert any("allreduce" in n.lower() for n in names)  # the gradient all-reduce, traced

@@ -174,3 +174,10 @@ def test_qlora_is_refused_with_the_reason(tmp_path, data_dir):
     stderr = [run.stderr(rank) for rank in (0, 1)]
     assert any("Params4bit" in e for e in stderr) and not any("Traceback" in e for e in stderr), run.report()
     assert not (tmp_path / "o").exists()
+
+
+def test_no_host_sync_per_micro_batch(accum):
+    counts = parity.host_syncs(accum.run_dir, save_every=2)
+    print(f"host syncs per plain step {counts}")
+    assert max(counts) <= parity.MAX_HOST_SYNCS
+    assert "lost_update_fraction" not in parity.metrics(accum.run_dir)[0]  # a diagnostic only when asked for

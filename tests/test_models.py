@@ -57,3 +57,48 @@ def test_random_init_is_a_function_of_the_seed():
     sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     assert not torch.equal(sa["model.layers.0.self_attn.q_proj.weight"], sc["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_qlora_keeps_the_embedding_lm_head_and_norms_in_the_compute_dtype():
+    """QLoRA in bf16: the 4-bit linears dequantize to bf16, and everything else of the base stays bf16 too, so the
+    residual stream, the logits and the lm_head matmul (the step's largest: 151936 x 2560 at Qwen3-4B) run in
+    bf16. peft's prepare_model_for_kbit_training would have cast the embedding, lm_head and norms to fp32."""
+    from peft import prepare_model_for_kbit_training
+
+    def qlora():
+        return models.load_model("tiny", quant="nf4", dtype=torch.bfloat16, device=torch.device("cpu"), seed=0)
+
+    model = models.apply_lora(models.freeze_base(qlora(), grad_checkpointing=True), 16, 32.0, 0.0, seed=0)
+    inner = model.base_model.model
+    assert inner.lm_head.weight is inner.model.embed_tokens.weight  # tied, as in Qwen3-4B
+    assert inner.lm_head.weight.dtype == torch.bfloat16
+    assert {m.weight.dtype for n, m in model.named_modules() if n.endswith("norm")} == {torch.bfloat16}
+    assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)  # peft's fp32 adapters
+    seen = []
+    inner.lm_head.register_forward_hook(lambda mod, args, out: seen.append((args[0].dtype, out.dtype)))
+    model(input_ids=torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(0)))
+    assert seen == [(torch.bfloat16, torch.bfloat16)]  # the residual stream into lm_head, and the logits
+
+    old = prepare_model_for_kbit_training(qlora(), use_gradient_checkpointing=False)
+    assert old.lm_head.weight.dtype == torch.float32  # what freeze_base avoids
+
+
+def test_qwen3_4b_shape_is_drawn_in_its_dtype_on_the_cpu(monkeypatch):
+    """Random weights come from the CPU generator in the target dtype and are then moved: the same weights on any
+    device, and no fp32 copy of a bf16 model on the GPU. Checked on the tiny config (same code path)."""
+    from transformers import Qwen3ForCausalLM
+
+    built = []
+    real = Qwen3ForCausalLM._from_config.__func__
+
+    def spy(cls, config, **kwargs):
+        net = real(cls, config, **kwargs)
+        built.append((next(net.parameters()).device.type, next(net.parameters()).dtype))
+        return net
+
+    monkeypatch.setattr(Qwen3ForCausalLM, "_from_config", classmethod(spy))
+    bf16 = models.load_model("tiny", quant="none", dtype=torch.bfloat16, device=torch.device("cpu"), seed=3)
+    assert built == [("cpu", torch.bfloat16)]
+    assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
+    again = models.load_model("tiny", quant="none", dtype=torch.bfloat16, device=torch.device("meta"), seed=3)
+    assert all(p.is_meta for p in again.parameters())  # the meta build draws nothing

@@ -198,3 +198,11 @@ def test_stages_that_do_not_divide_the_layers_are_refused(tmp_path, data_dir):
     stderr = [run.stderr(rank) for rank in (0, 1, 2)]
     assert any("do not divide" in e for e in stderr) and not any("Traceback" in e for e in stderr), run.report()
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("run_name", ["gpipe", "one_f_one_b", "interleaved"])
+def test_no_host_sync_per_micro_batch(request, run_name):
+    """1F1B runs 8 micro-batches a step: a sync per micro-batch (a loss .item() each) would count 8 or more."""
+    counts = parity.host_syncs(request.getfixturevalue(run_name).run_dir, save_every=2)
+    print(f"{run_name}: host syncs per plain step {counts}")
+    assert max(counts) <= parity.MAX_HOST_SYNCS

@@ -25,6 +25,8 @@ FLAGS = [
     "5",
     "--eval-examples",
     "8",
+    "--profile-steps",
+    "2:3",
     "--no-progress",
 ]
 
@@ -131,7 +133,7 @@ def test_infer_reports_rouge_for_base_and_finetuned(full_run):
 def test_no_cuda_without_smoke_is_refused():
     proc = run_script(TRAIN, "--max-steps", "1", env={"CUDA_VISIBLE_DEVICES": ""})
     assert proc.returncode != 0
-    assert "no CUDA device" in proc.stderr and "--smoke" in proc.stderr
+    assert "no usable CUDA device" in proc.stderr and "--smoke" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
@@ -179,3 +181,20 @@ def test_corrupt_checkpoint_is_refused(full_run, tmp_path, data_dir):
     (copy / "checkpoints" / "step-10" / "optimizer.pt").write_bytes(b"garbage")
     proc = run_script(TRAIN, *FLAGS, "--data", str(data_dir), "--resume", str(copy / "checkpoints" / "step-10"))
     assert proc.returncode != 0 and "corrupt" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_no_host_sync_per_micro_batch(full_run):
+    import parity
+
+    counts = parity.host_syncs(full_run, save_every=5)
+    print(f"host syncs per plain step {counts}")
+    assert max(counts) <= parity.MAX_HOST_SYNCS
+
+
+def test_profile_steps_write_a_trace_of_those_steps(full_run):
+    """FLAGS has --profile-steps 2:3: a Perfetto/Chrome trace of two optimizer steps and the ops table."""
+    trace = json.loads((full_run / "profile" / "trace-rank0-steps2-3.json").read_text())
+    names = [e.get("name", "") for e in trace["traceEvents"]]
+    assert any(n.startswith(("aten::mm", "aten::addmm", "aten::linear")) for n in names)
+    assert sum(n.startswith("Optimizer.step#AdamW.step") for n in names) == 2
+    assert (full_run / "profile" / "ops-rank0-steps2-3.txt").read_text().strip()

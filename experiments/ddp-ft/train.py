@@ -18,17 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 
 import safetensors.torch
 import torch
 import torch.distributed as dist
-from peft import prepare_model_for_kbit_training, set_peft_model_state_dict
+from peft import set_peft_model_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 from transformers import get_cosine_schedule_with_warmup
 
 from ftkit import comm, data, metrics, models, run
-from ftkit.memory import ModelShape, predict
+from ftkit.profiling import StepProfiler
 
 
 def parse_args():
@@ -84,13 +83,8 @@ def parse_args():
 def main() -> None:
     args = parse_args()
     # ---- process group: torchrun starts one process per GPU and tells each its rank (RANK, LOCAL_RANK,
-    # WORLD_SIZE) and where rank 0 listens (MASTER_ADDR/PORT); NCCL moves CUDA tensors, gloo CPU ones.
-    if "LOCAL_RANK" not in os.environ:
-        raise run.RunError(
-            "launch this script with torchrun, one process per GPU:\n    uv run torchrun --nproc_per_node=2 "
-            + " ".join(sys.argv)
-        )
-    local_rank, world = int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"])
+    # WORLD_SIZE) and where rank 0 listens (MASTER_ADDR/PORT).
+    local_rank, world = run.torchrun_local_rank(), int(os.environ["WORLD_SIZE"])
     # Flags that do not fit the world size are refused before joining the group, on every rank alike: a rank that
     # left during the group's setup would leave the others with a connection error instead of this message.
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=world)
@@ -103,10 +97,15 @@ def main() -> None:
             f" here accumulation is {accum}: pass --batch-size {args.micro_batch_size * world} or drop --static-graph"
         )
     device = run.device_for(args, local_rank)
-    if device.type == "cpu":  # the ranks on this machine share its cores instead of each taking all of them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    run.share_cpu_cores(device)
+    # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
+    # collective meanwhile, where NCCL's 10-minute timeout would end the run.
+    models.fetch(args.model)
+    splits = data.load_splits(args.data, args.data_revision)
+    # NCCL moves CUDA tensors only; "cpu:gloo,cuda:nccl" gives a CPU tensor (a metric, a pickled object) a gloo
+    # route instead of an error, and device_id binds the NCCL communicator to this rank's GPU.
     if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
     rank = dist.get_rank()
@@ -114,19 +113,9 @@ def main() -> None:
     # Rank 0 names the run directory (its clock, its checks) and every rank uses that one.
     run_dir, resume_from = run.on_rank0(run.resolve_run_dir, args)
 
-    def print0(*text: str) -> None:
-        if rank == 0:
-            print(*text, flush=True)
-
     # ---- data: AMI examples in Qwen3's chat format, loss only on the answer, length-grouped global batches.
     # Every rank builds the same global batches (a function of seed and step) and takes its own share of each.
-    splits = data.load_splits(args.data, args.data_revision)
-    with run.rank0_first():  # rank 0 fills the caches, the others read them
-        tokenizer = models.load_tokenizer(args.model, data.corpus(splits["train"]))
-    formatter = data.ChatFormatter(tokenizer, args.max_length)
-    train_set, train_stats = formatter.encode_all(splits["train"])
-    val_set, _ = formatter.encode_all(splits["val"])
-    print0(f"train: {train_stats.describe()}")
+    tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
     batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, rank, world)
 
@@ -138,19 +127,10 @@ def main() -> None:
     config = model.config
     # Non-reentrant checkpointing recomputes a layer inside the one backward pass, so DDP's per-parameter hooks
     # fire once, in order. The reentrant kind runs a nested backward per layer (--reentrant-checkpointing).
-    checkpointing = {"use_reentrant": args.reentrant_checkpointing}
-    if args.quant == "nf4":
-        # Casts the non-quantized params (norms, embeddings) to fp32 for stable training, as QLoRA does.
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=args.grad_checkpointing,
-            gradient_checkpointing_kwargs=checkpointing,
-        )
-    elif args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    model = models.freeze_base(model, args.grad_checkpointing, reentrant=args.reentrant_checkpointing)
     model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     counts = models.parameter_counts(model)
-    print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
+    run.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
 
     # ---- DDP: at construction rank 0's parameters and buffers are broadcast, so the replicas start identical.
     # DDP registers a hook on every trainable parameter; the LoRA gradients are packed into buckets, and each
@@ -197,22 +177,12 @@ def main() -> None:
         scheduler.load_state_dict(opt["scheduler"])
         run.set_rng_state(run.load_torch(resume_from / f"rng-rank{rank}.pt"))
         start_step = state["step"]
-        print0(f"resumed from {resume_from} at step {start_step}")
+        run.print0(f"resumed from {resume_from} at step {start_step}")
 
     hardware = metrics.hardware(device, world_size=world)
+    run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum)
     run.on_rank0(
-        run.init_run_dir,
-        run_dir,
-        args,
-        {
-            "args": run.args_dict(args),
-            "versions": metrics.versions(),
-            "hardware": hardware,
-            "data": train_stats.as_dict(),
-            "parameters": counts,
-            "accumulation_steps": accum,
-        },
-        resume_step=start_step if resume_from is not None else None,
+        run.init_run_dir, run_dir, args, run_config, resume_step=start_step if resume_from is not None else None
     )
     log = metrics.MetricsLog(
         run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
@@ -235,63 +205,71 @@ def main() -> None:
     # ---- train
     model.train()
     last_step = args.stop_after or args.max_steps
-    for step in range(start_step, last_step):
-        metrics.reset_peak_memory(device)
-        # Target tokens of the whole global batch, all ranks together: the loss denominator. Every rank computes
-        # the same number from the same global batch, without a collective.
-        n_target = batches.n_target(step)
-        loss_sum = torch.zeros((), device=device)
-        seq_lens: list[int] = []
-        micro_batches = batches.micro_batches(step, args.micro_batch_size, rank=rank, world=world)
-        with metrics.StepTimer(device) as timer:
-            for j, mb in enumerate(micro_batches):
-                mb = {k: v.to(device) for k, v in mb.items()}
-                # Accumulate locally and all-reduce once, in the last micro-batch's backward: no_sync() switches
-                # the reducer off for both the forward and the backward of the micro-batches before it.
-                sync = j == len(micro_batches) - 1 or args.sync_every_micro_step
-                with contextlib.nullcontext() if sync else model.no_sync():
-                    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-                    loss = data.token_loss_sum(logits, mb["labels"]) / n_target
-                    # DDP *averages* the gradients over the ranks. This rank's loss is its share of the global
-                    # loss, so the gradient we want is the *sum* over ranks: scale by the world size.
-                    (loss * world).backward()
-                loss_sum += loss.detach()
-                seq_lens += mb["attention_mask"].sum(1).tolist()
-            # The gradients are identical on every rank now, so is their norm: clipping needs no collective.
-            clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
-            optimizer.step()
-            scheduler.step()
-            # Gradients as bucket views are zeroed in place: set to None, the next backward would allocate new
-            # .grad tensors and DDP would copy them into the buckets again, which is what the views avoid.
-            optimizer.zero_grad(set_to_none=not args.gradient_as_bucket_view)
-        step_comm = recorder.take()
-        # The global loss, tokens and FLOPs: sums over the ranks' shares (one small all-reduce for the metrics).
-        flops = metrics.step_flops(seq_lens, config, counts["trainable"])
-        totals = torch.tensor([loss_sum.item(), sum(seq_lens), flops], dtype=torch.float64, device=device)
-        dist.all_reduce(totals)
-        global_loss, tokens, flops = totals.tolist()
-        row = {
-            "step": step + 1,
-            "loss": global_loss,
-            "lr": scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm.item(),
-            "target_tokens": n_target,
-            "tokens": int(tokens),
-            "step_time_s": timer.seconds,
-            "tokens_per_s": tokens / timer.seconds,
-            "mfu": flops / (timer.seconds * peak * world) if peak else None,
-            "comm": step_comm,
-            **metrics.peak_memory(device),
-        }
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
-            # Each rank evaluates its share of the held-out set on the bare model (no DDP hooks); sum the shares.
-            sums = run.eval_loss_sums(model.module, eval_batches, device)
-            dist.all_reduce(sums)
-            row["eval_loss"] = (sums[0] / sums[1]).item()
-        log.log(row)
-        if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
-            save_checkpoint(step + 1)
+    profiler = StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step)
+    with profiler:
+        for step in range(start_step, last_step):
+            metrics.reset_peak_memory(device)
+            # Target tokens of the whole global batch, all ranks together: the loss denominator. Every rank
+            # computes the same number from the same global batch, without a collective.
+            n_target = batches.n_target(step)
+            loss_sum = torch.zeros((), device=device)
+            micro_batches = batches.micro_batches(step, args.micro_batch_size, rank=rank, world=world)
+            with metrics.StepTimer(device) as timer:
+                for j, mb in enumerate(micro_batches):
+                    mb = data.to_device(mb, device)
+                    # Accumulate locally and all-reduce once, in the last micro-batch's backward: no_sync()
+                    # switches the reducer off for both the forward and the backward of the micro-batches before.
+                    sync = j == len(micro_batches) - 1 or args.sync_every_micro_step
+                    with contextlib.nullcontext() if sync else model.no_sync():
+                        # The lm_head runs on the answer positions only: the loss needs no other logits.
+                        out = model(
+                            input_ids=mb["input_ids"],
+                            attention_mask=mb["attention_mask"],
+                            logits_to_keep=mb["logit_positions"],
+                        )
+                        loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                        del out  # the logits are freed by backward, not kept alive into the next forward
+                        # DDP *averages* the gradients over the ranks. This rank's loss is its share of the global
+                        # loss, so the gradient we want is the *sum* over ranks: scale by the world size.
+                        (loss * world).backward()
+                    loss_sum += loss.detach()
+                # The gradients are identical on every rank now, so is their norm: clipping needs no collective.
+                clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+                grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
+                optimizer.step()
+                scheduler.step()
+                # Gradients as bucket views are zeroed in place: set to None, the next backward would allocate
+                # new .grad tensors and DDP would copy them into the buckets again, which is what the views avoid.
+                optimizer.zero_grad(set_to_none=not args.gradient_as_bucket_view)
+            # The global loss is the sum of the ranks' shares: one small all-reduce on the device, then the
+            # step's one host sync for every device scalar the metrics need.
+            dist.all_reduce(loss_sum)
+            global_loss, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
+            step_comm = recorder.take()
+            row = metrics.step_row(
+                step=step + 1,
+                loss=global_loss,
+                grad_norm=grad_norm,
+                lr=scheduler.get_last_lr()[0],
+                target_tokens=n_target,
+                lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
+                config=config,
+                n_lora=counts["trainable"],
+                seconds=timer.seconds,
+                peak=peak,
+                devices=world,
+                device=device,
+                comm=step_comm,
+            )
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
+                # Each rank evaluates its share of the held-out set on the bare model (no DDP hooks); sum them.
+                sums = run.eval_loss_sums(model.module, eval_batches, device)
+                dist.all_reduce(sums)
+                row["eval_loss"] = (sums[0] / sums[1]).item()
+            log.log(row)
+            if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
+                save_checkpoint(step + 1)
+            profiler.step(step + 1)
     log.close()
 
     # ---- save: a stock PEFT adapter (adapter_config.json + adapter_model.safetensors), from rank 0's replica
@@ -300,63 +278,26 @@ def main() -> None:
         return
     if finished:
         model.module.save_pretrained(run_dir / "adapter")
-    shape = ModelShape.from_config(config)
-    predicted = predict(
-        shape,
-        technique="ddp",
-        quant=args.quant,
-        dtype=args.dtype,
-        world_size=world,
-        lora_rank=args.lora_rank,
-        micro_batch_size=args.micro_batch_size,
-        seq_len=args.max_length,
-        grad_checkpointing=args.grad_checkpointing,
-    ).as_dict()
-    summary = {
-        "status": "completed" if finished else f"stopped after step {last_step} (--stop-after); continue with --resume",
-        "run_dir": str(run_dir),
-        "config": run.args_dict(args),
-        "versions": metrics.versions(),
-        "hardware": hardware,
-        "data": train_stats.as_dict(),
-        "parameters": counts,
-        "accumulation_steps": accum,
-        **log.summary(),
+    summary = metrics.run_summary(
+        run_config,
+        log,
+        run_dir=run_dir,
+        last_step=last_step,
+        peak=peak,
+        predicted=metrics.predicted_memory(config, args, "ddp", quant=args.quant, world_size=world),
+        note=metrics.memory_note(device),
         # What theory says DDP sends per optimizer step: the trainable gradients, once (once per micro-step with
         # --sync-every-micro-step), in bytes of the buffer; a ring all-reduce puts 2(N-1)/N of that on the wire.
-        "trainable_grad_bytes": grad_bytes,
-        "syncs_per_step": accum if args.sync_every_micro_step else 1,
+        trainable_grad_bytes=grad_bytes,
+        syncs_per_step=accum if args.sync_every_micro_step else 1,
         **comm.summarize(log.rows),
-        "comm_note": "per optimizer step, DDP's gradient all-reduces as the comm hook saw them (ftkit/comm.py): "
+        comm_note="per optimizer step, DDP's gradient all-reduces as the comm hook saw them (ftkit/comm.py): "
         "bytes of the buckets, buckets issued, and time from issue to completion summed over buckets "
         "(they overlap backward and each other); the metrics' own loss/eval all-reduces are not counted",
-        "mfu_convention": metrics.MFU_CONVENTION,
-        "peak_flops": peak,
-        "memory_predicted": predicted,
-        "memory_note": "predicted: the memory model (ftkit/memory.py) at micro-batch x --max-length; measured on "
-        "rank 0: "
-        + (
-            "CUDA peak allocated"
-            if device.type == "cuda"
-            else "process peak RSS, which also counts Python, "
-            "libraries and data, so it is not comparable with the model's GPU bytes"
-        ),
-    }
+    )
     run.write_summary(run_dir, summary)
     print(f"run directory: {run_dir}" + (f"\nadapter: {run_dir / 'adapter'}" if finished else ""))
 
 
 if __name__ == "__main__":
-    code = 0
-    try:
-        main()
-    except (run.RunError, data.DataError, run.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    # Leave without running the C++ static destructors: with gloo about 1 launch in 10 otherwise aborts at exit
-    # ("terminate called without an active exception") after the work is done. Destroy the process group first.
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run.launch(main)

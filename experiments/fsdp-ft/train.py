@@ -19,10 +19,6 @@ summary measures the symptom.
 
 from __future__ import annotations
 
-import os
-import sys
-
-import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -37,10 +33,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+from transformers import get_cosine_schedule_with_warmup
 
 from ftkit import comm, data, metrics, models, run
-from ftkit.memory import ModelShape, predict
+from ftkit.profiling import StepProfiler
 
 QLORA_REFUSAL = (
     "--qlora: a 4-bit base does not shard with FSDP2 here. FSDP2 cuts every parameter into N pieces along dim 0, "
@@ -109,6 +105,12 @@ def parse_args():
         action="store_true",
         help="leave the KV cache on in training (with checkpointing transformers drops it; without, it is kept)",
     )
+    m.add_argument(
+        "--count-lost-updates",
+        action="store_true",
+        help="measure the symptom of --adapters-in-base-dtype each step: the adapter elements the optimizer step "
+        "left unchanged (costs a copy of every trainable shard per step; on by itself with that flag)",
+    )
     args = run.resolve(p.parse_args())
     if args.qlora:
         raise run.RunError(QLORA_REFUSAL)
@@ -117,6 +119,7 @@ def parse_args():
     if args.prefetch < 1:
         raise run.RunError(f"--prefetch must be at least 1 (FSDP2's implicit prefetch), got {args.prefetch}")
     args.param_dtype = args.param_dtype or args.dtype
+    args.count_lost_updates = args.count_lost_updates or args.adapters_in_base_dtype
     return args
 
 
@@ -129,18 +132,17 @@ def fsdp_units(model, wrap_class: str) -> list[torch.nn.Module]:
 def main() -> None:
     args = parse_args()
     # ---- process group: torchrun starts one process per GPU and tells each its rank (RANK, LOCAL_RANK,
-    # WORLD_SIZE) and where rank 0 listens (MASTER_ADDR/PORT); NCCL moves CUDA tensors, gloo CPU ones.
-    if "LOCAL_RANK" not in os.environ:
-        raise run.RunError(
-            "launch this script with torchrun, one process per GPU:\n    uv run torchrun --nproc_per_node=2 "
-            + " ".join(sys.argv)
-        )
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = run.device_for(args, local_rank)
-    if device.type == "cpu":  # the ranks on this machine share its cores instead of each taking all of them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    # WORLD_SIZE) and where rank 0 listens (MASTER_ADDR/PORT).
+    device = run.device_for(args, run.torchrun_local_rank())
+    run.share_cpu_cores(device)
+    # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
+    # collective meanwhile, where NCCL's 10-minute timeout would end the run.
+    models.fetch(args.model)
+    splits = data.load_splits(args.data, args.data_revision)
+    # NCCL moves CUDA tensors only; "cpu:gloo,cuda:nccl" gives a CPU tensor (a metric, a pickled object, a
+    # CPU-offloaded gradient's norm) a gloo route instead of an error; device_id binds NCCL to this rank's GPU.
     if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -149,19 +151,9 @@ def main() -> None:
     # Rank 0 names the run directory (its clock, its checks) and every rank uses that one.
     run_dir, resume_from = run.on_rank0(run.resolve_run_dir, args)
 
-    def print0(*text: str) -> None:
-        if rank == 0:
-            print(*text, flush=True)
-
     # ---- data: AMI examples in Qwen3's chat format, loss only on the answer, length-grouped global batches.
     # Every rank builds the same global batches (a function of seed and step) and takes its own share of each.
-    splits = data.load_splits(args.data, args.data_revision)
-    with run.rank0_first():  # rank 0 fills the caches, the others read them
-        tokenizer = models.load_tokenizer(args.model, data.corpus(splits["train"]))
-    formatter = data.ChatFormatter(tokenizer, args.max_length)
-    train_set, train_stats = formatter.encode_all(splits["train"])
-    val_set, _ = formatter.encode_all(splits["val"])
-    print0(f"train: {train_stats.describe()}")
+    tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
     batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, rank, world)
     # An evaluation forward all-gathers every unit, a collective: every rank must run as many micro-batches.
@@ -175,23 +167,19 @@ def main() -> None:
     # ---- model: rank 0 loads the real weights into CPU memory; the other ranks build the same model on the
     # meta device (shapes, no storage). After sharding, rank 0 broadcasts the weights and each rank keeps only
     # its shard: no GPU ever holds the whole model, and only rank 0's host memory holds it once, for the load.
-    # (Every rank loading the checkpoint would cost N full copies of host memory.)
+    # (Every rank loading the checkpoint would cost N full copies of host memory.) The attention kernel is
+    # chosen from the training device, so rank 0 building on the CPU runs the same kernel as every other rank.
+    attn = models.attention_implementation(device, dtype)
     with run.rank0_first():
-        if rank == 0:
-            model = models.load_model(
-                args.model,
-                quant="none",
-                dtype=dtype,
-                device=torch.device("cpu"),
-                seed=args.seed,
-                vocab_size=len(tokenizer),
-            )
-        else:
-            config = models.model_config(args.model, len(tokenizer))
-            config._attn_implementation = models.attention_implementation(device)
-            with torch.device("meta"):
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-            model.config.use_cache = False
+        model = models.load_model(
+            args.model,
+            quant="none",
+            dtype=dtype,
+            device=torch.device("cpu" if rank == 0 else "meta"),
+            seed=args.seed,
+            vocab_size=len(tokenizer),
+            attn=attn,
+        )
     config = model.config
     if args.use_cache:
         config.use_cache = True
@@ -205,7 +193,7 @@ def main() -> None:
             if p.requires_grad:
                 p.data = p.data.to(dtype)
     counts = models.parameter_counts(model)
-    print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
+    run.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
     full_weights = model.state_dict() if rank == 0 else {}
 
     # ---- FSDP2: one unit per decoder layer, then the root (embeddings, final norm, the tied lm_head). Sharding
@@ -226,7 +214,9 @@ def main() -> None:
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
     units = fsdp_units(model, args.wrap_class)
     if not units:
-        print0(f"warning: no module of class {args.wrap_class}: the root unit holds (and all-gathers) the whole model")
+        run.print0(
+            f"warning: no module of class {args.wrap_class}: the root unit holds (and all-gathers) the whole model"
+        )
     for unit in units:
         fully_shard(unit, reshard_after_forward=args.reshard_after_forward, **fsdp_kwargs)
     # The root, left at FSDP2's default for it: not resharded after forward, since backward starts with it (the
@@ -239,7 +229,8 @@ def main() -> None:
             unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + args.prefetch])
             unit.set_modules_to_backward_prefetch(units[max(0, i - args.prefetch) : i][::-1])
     if rank != 0:
-        model.to_empty(device=device)  # storage for the shards (and the RoPE buffers, recomputed below)
+        # Storage for the shards (and the RoPE buffers, recomputed below): offloaded shards live in host memory.
+        model.to_empty(device="cpu" if args.cpu_offload else device)
     set_model_state_dict(model, full_weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     del full_weights
     # The RoPE frequencies are a non-persistent buffer: not in the state dict, so compute them on every rank.
@@ -255,7 +246,7 @@ def main() -> None:
         sum(p.numel() * run.torch_dtype(args.param_dtype).itemsize for p in u.parameters()) for u in [*units, model]
     ]
     unit_bytes[-1] -= sum(unit_bytes[:-1])  # the root unit: what no layer unit took
-    print0(f"FSDP units: {len(units)} x {args.wrap_class} + root; per-rank parameter shards: {param_bytes:,} bytes")
+    run.print0(f"FSDP units: {len(units)} x {args.wrap_class} + root; per-rank parameter shards: {param_bytes:,} bytes")
 
     recorder = comm.CommRecorder(device)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -291,22 +282,12 @@ def main() -> None:
         scheduler.load_state_dict(run.load_torch(resume_from / "scheduler.pt"))
         run.set_rng_state(run.load_torch(resume_from / f"rng-rank{rank}.pt"))
         start_step = state["step"]
-        print0(f"resumed from {resume_from} at step {start_step}")
+        run.print0(f"resumed from {resume_from} at step {start_step}")
 
     hardware = metrics.hardware(device, world_size=world)
+    run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum)
     run.on_rank0(
-        run.init_run_dir,
-        run_dir,
-        args,
-        {
-            "args": run.args_dict(args),
-            "versions": metrics.versions(),
-            "hardware": hardware,
-            "data": train_stats.as_dict(),
-            "parameters": counts,
-            "accumulation_steps": accum,
-        },
-        resume_step=start_step if resume_from is not None else None,
+        run.init_run_dir, run_dir, args, run_config, resume_step=start_step if resume_from is not None else None
     )
     log = metrics.MetricsLog(
         run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
@@ -320,16 +301,7 @@ def main() -> None:
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         )
         if rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
-            weights = get_peft_model_state_dict(model, state_dict=full)
-            safetensors.torch.save_file(
-                {k: v.contiguous() for k, v in weights.items()}, path / "adapter_model.safetensors", {"format": "pt"}
-            )
-            adapter_config = model.peft_config["default"]
-            inference_mode = adapter_config.inference_mode
-            adapter_config.inference_mode = True
-            adapter_config.save_pretrained(path)
-            adapter_config.inference_mode = inference_mode
+            run.save_adapter(path, get_peft_model_state_dict(model, state_dict=full), model.peft_config["default"])
 
     def save_checkpoint(step: int) -> None:
         # Every rank writes its own shards of the adapter and optimizer state (torch.distributed.checkpoint), in
@@ -350,84 +322,94 @@ def main() -> None:
     model.train()
     last_step = args.stop_after or args.max_steps
     kv_cache_bytes = 0
-    for step in range(start_step, last_step):
-        metrics.reset_peak_memory(device)
-        # Target tokens of the whole global batch, all ranks together: the loss denominator. Every rank computes
-        # the same number from the same global batch, without a collective.
-        n_target = batches.n_target(step)
-        loss_sum = torch.zeros((), device=device)
-        seq_lens: list[int] = []
-        micro_batches = batches.micro_batches(step, args.micro_batch_size, rank=rank, world=world)
-        with metrics.StepTimer(device) as timer, comm.recording(recorder):
-            for j, mb in enumerate(micro_batches):
-                mb = {k: v.to(device) for k, v in mb.items()}
-                # Accumulate the unsharded gradients locally and reduce-scatter once, in the last micro-batch's
-                # backward (FSDP2's no_sync). The all-gathers still happen on every micro-batch.
-                model.set_requires_gradient_sync(j == len(micro_batches) - 1)
-                out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=args.use_cache)
-                if args.use_cache and out.past_key_values is not None:
-                    cache = out.past_key_values
-                    kv_cache_bytes = sum(
-                        t.numel() * t.element_size()
-                        for layer in cache.layers
-                        for t in (layer.keys, layer.values)
-                        if isinstance(t, torch.Tensor)
+    profiler = StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step)
+    with profiler:
+        for step in range(start_step, last_step):
+            metrics.reset_peak_memory(device)
+            # Target tokens of the whole global batch, all ranks together: the loss denominator. Every rank
+            # computes the same number from the same global batch, without a collective.
+            n_target = batches.n_target(step)
+            loss_sum = torch.zeros((), device=device)
+            micro_batches = batches.micro_batches(step, args.micro_batch_size, rank=rank, world=world)
+            with metrics.StepTimer(device) as timer, comm.recording(recorder):
+                for j, mb in enumerate(micro_batches):
+                    mb = data.to_device(mb, device)
+                    # Accumulate the unsharded gradients locally and reduce-scatter once, in the last micro-batch's
+                    # backward (FSDP2's no_sync). The all-gathers still happen on every micro-batch.
+                    model.set_requires_gradient_sync(j == len(micro_batches) - 1)
+                    # The lm_head runs on the answer positions only: the loss needs no other logits.
+                    out = model(
+                        input_ids=mb["input_ids"],
+                        attention_mask=mb["attention_mask"],
+                        logits_to_keep=mb["logit_positions"],
+                        use_cache=args.use_cache,
                     )
-                loss = data.token_loss_sum(out.logits, mb["labels"]) / n_target
-                # FSDP2's reduce-scatter *averages* the gradients over the ranks (it divides by the world size, as
-                # DDP does; set_gradient_divide_factor would change that). This rank's loss is its share of the
-                # global loss, so the gradient we want is the *sum* over ranks: scale by the world size.
-                (loss * world).backward()
-                loss_sum += loss.detach()
-                seq_lens += mb["attention_mask"].sum(1).tolist()
-                del out
-            # Each rank holds only its shard of each gradient: clip_grad_norm_ sums the squares of the local
-            # shards and all-reduces them (DTensor's own collective), so the norm is the global one.
-            clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
-            before = [p.to_local().detach().clone() for p in trainable]
-            lr_used = optimizer.param_groups[0]["lr"]
-            optimizer.step()  # on the shards: each rank updates its 1/N of the adapters and of AdamW's moments
-            # Adapter elements with a gradient that the step left bit-identical: an update below half the spacing
-            # of the weight's dtype is rounded away (the symptom of --adapters-in-base-dtype: bf16 keeps 8 bits).
-            # Warmup's first step has lr 0 and updates nothing by design: not counted.
-            lost = sum(
-                ((p.to_local() == b) & (p.grad.to_local() != 0)).sum().item() for p, b in zip(trainable, before)
-            ) * (lr_used > 0)
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-        step_comm = recorder.take()
-        if isinstance(grad_norm, DTensor):
-            grad_norm = grad_norm.full_tensor()
-        # The global loss, tokens and FLOPs: sums over the ranks' shares (one small all-reduce for the metrics).
-        flops = metrics.step_flops(seq_lens, config, counts["trainable"])
-        totals = torch.tensor([loss_sum.item(), sum(seq_lens), flops, lost], dtype=torch.float64, device=device)
-        dist.all_reduce(totals)
-        global_loss, tokens, flops, lost = totals.tolist()
-        row = {
-            "step": step + 1,
-            "loss": global_loss,
-            "lr": scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm.item(),
-            "lost_update_fraction": lost / counts["trainable"],
-            "target_tokens": n_target,
-            "tokens": int(tokens),
-            "step_time_s": timer.seconds,
-            "tokens_per_s": tokens / timer.seconds,
-            "mfu": flops / (timer.seconds * peak * world) if peak else None,
-            "comm": step_comm,
-            **metrics.peak_memory(device),
-        }
-        if args.use_cache:
-            row["kv_cache_bytes"] = kv_cache_bytes
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
-            # Each rank evaluates its share of the held-out set, through FSDP (the forward all-gathers); sum.
-            sums = run.eval_loss_sums(model, eval_batches, device)
-            dist.all_reduce(sums)
-            row["eval_loss"] = (sums[0] / sums[1]).item()
-        log.log(row)
-        if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
-            save_checkpoint(step + 1)
+                    if args.use_cache and out.past_key_values is not None:
+                        kv_cache_bytes = sum(
+                            t.numel() * t.element_size()
+                            for layer in out.past_key_values.layers
+                            for t in (layer.keys, layer.values)
+                            if isinstance(t, torch.Tensor)
+                        )
+                    loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                    del out  # the logits (and a KV cache) are freed by backward, not kept into the next forward
+                    # FSDP2's reduce-scatter *averages* the gradients over the ranks (it divides by the world size,
+                    # as DDP does; set_gradient_divide_factor would change that). This rank's loss is its share of
+                    # the global loss, so the gradient we want is the *sum* over ranks: scale by the world size.
+                    (loss * world).backward()
+                    loss_sum += loss.detach()
+                # Each rank holds only its shard of each gradient: clip_grad_norm_ sums the squares of the local
+                # shards and all-reduces them (DTensor's own collective), so the norm is the global one.
+                clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+                grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
+                before = [p.to_local().detach().clone() for p in trainable] if args.count_lost_updates else None
+                lr_used = optimizer.param_groups[0]["lr"]
+                optimizer.step()  # on the shards: each rank updates its 1/N of the adapters and of AdamW's moments
+                # Adapter elements with a gradient that the step left bit-identical: an update below half the
+                # spacing of the weight's dtype is rounded away (the symptom of --adapters-in-base-dtype: bf16 keeps
+                # 8 bits). Warmup's first step has lr 0 and updates nothing by design: not counted.
+                lost = torch.zeros((), device=device)
+                if before is not None and lr_used > 0:
+                    for p, b in zip(trainable, before):
+                        lost += ((p.to_local() == b) & (p.grad.to_local() != 0)).sum()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            step_comm = recorder.take()
+            if isinstance(grad_norm, DTensor):
+                grad_norm = grad_norm.full_tensor()
+            # The global loss (and lost updates) are sums of the ranks' shares: one small all-reduce on the device,
+            # then the step's one host sync for every device scalar the metrics need.
+            totals = torch.stack([loss_sum, lost])
+            dist.all_reduce(totals)
+            global_loss, lost, grad_norm = torch.cat([totals, grad_norm.reshape(1).to(totals.dtype)]).tolist()
+            row = metrics.step_row(
+                step=step + 1,
+                loss=global_loss,
+                grad_norm=grad_norm,
+                lr=scheduler.get_last_lr()[0],
+                target_tokens=n_target,
+                lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
+                config=config,
+                n_lora=counts["trainable"],
+                seconds=timer.seconds,
+                peak=peak,
+                devices=world,
+                device=device,
+                comm=step_comm,
+            )
+            if args.count_lost_updates:
+                row["lost_update_fraction"] = lost / counts["trainable"]
+            if args.use_cache:
+                row["kv_cache_bytes"] = kv_cache_bytes
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
+                # Each rank evaluates its share of the held-out set, through FSDP (the forward all-gathers); sum.
+                sums = run.eval_loss_sums(model, eval_batches, device)
+                dist.all_reduce(sums)
+                row["eval_loss"] = (sums[0] / sums[1]).item()
+            log.log(row)
+            if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
+                save_checkpoint(step + 1)
+            profiler.step(step + 1)
     log.close()
 
     # ---- save: a stock PEFT adapter (adapter_config.json + adapter_model.safetensors), gathered onto rank 0
@@ -436,62 +418,40 @@ def main() -> None:
         save_adapter(run_dir / "adapter")
     if rank != 0:
         return
-    shape = ModelShape.from_config(config)
-    predicted = predict(
-        shape,
-        technique="fsdp",
-        quant="none",
-        dtype=args.dtype,
-        world_size=world,
-        lora_rank=args.lora_rank,
-        micro_batch_size=args.micro_batch_size,
-        seq_len=args.max_length,
-        grad_checkpointing=args.grad_checkpointing,
-        reshard_after_forward=args.reshard_after_forward,
-    ).as_dict()
     itemsize = run.torch_dtype(args.param_dtype).itemsize
     trainable_numel = counts["trainable"]
-    summary = {
-        "status": "completed" if finished else f"stopped after step {last_step} (--stop-after); continue with --resume",
-        "run_dir": str(run_dir),
-        "config": run.args_dict(args),
-        "versions": metrics.versions(),
-        "hardware": hardware,
-        "data": train_stats.as_dict(),
-        "parameters": counts,
-        "accumulation_steps": accum,
-        **log.summary(),
-        "fsdp_units": len(units) + 1,
+    summary = metrics.run_summary(
+        run_config,
+        log,
+        run_dir=run_dir,
+        last_step=last_step,
+        peak=peak,
+        predicted=metrics.predicted_memory(
+            config, args, "fsdp", world_size=world, reshard_after_forward=args.reshard_after_forward
+        ),
+        note=metrics.memory_note(device, "param_shard_bytes (exact) and "),
+        fsdp_units=len(units) + 1,
         # Measured on rank 0 after sharding: the bytes of its parameter shards, and the largest unit that is
         # all-gathered at once (in --param-dtype).
-        "param_shard_bytes": param_bytes,
-        "largest_unit_bytes": max(unit_bytes),
+        param_shard_bytes=param_bytes,
+        largest_unit_bytes=max(unit_bytes),
         # What theory says FSDP2 sends per optimizer step, bytes of the full (gathered) buffers: every unit is
         # all-gathered once per micro-step forward, and the layer units once more per backward when they were
         # resharded after forward; the trainable (LoRA) gradients are reduce-scattered once (frozen weights have
         # no gradient and send nothing). The ring puts (N-1)/N of each on the wire.
-        "theory_all_gather_bytes": accum
+        theory_all_gather_bytes=accum
         * (
             (counts["trainable"] + counts["frozen"]) * itemsize
             + (sum(unit_bytes[:-1]) if args.reshard_after_forward else 0)
         ),
-        "theory_reduce_scatter_bytes": trainable_numel * run.torch_dtype(args.reduce_dtype).itemsize,
+        theory_reduce_scatter_bytes=trainable_numel * run.torch_dtype(args.reduce_dtype).itemsize,
         **comm.summarize(log.rows),
-        "comm_note": "per optimizer step, FSDP2's all-gathers and reduce-scatters as recorded around "
+        comm_note="per optimizer step, FSDP2's all-gathers and reduce-scatters as recorded around "
         "torch.distributed (ftkit/comm.py): bytes of the full buffers; the grad-norm all-reduce (DTensor's "
         "functional collectives) and the metrics' own all-reduces are not counted",
-        "mfu_convention": metrics.MFU_CONVENTION,
-        "peak_flops": peak,
-        "memory_predicted": predicted,
-        "memory_note": "predicted: the memory model (ftkit/memory.py) at micro-batch x --max-length; measured on "
-        "rank 0: param_shard_bytes (exact) and "
-        + (
-            "CUDA peak allocated"
-            if device.type == "cuda"
-            else "process peak RSS, which also counts Python, "
-            "libraries and data, so it is not comparable with the model's GPU bytes"
-        ),
-    }
+        lost_updates_note="lost_update_fraction per step only with --count-lost-updates or "
+        "--adapters-in-base-dtype (it copies every trainable shard each step)",
+    )
     if args.use_cache:
         summary["kv_cache_bytes"] = kv_cache_bytes
     run.write_summary(run_dir, summary)
@@ -499,16 +459,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    code = 0
-    try:
-        main()
-    except (run.RunError, data.DataError, run.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    # Leave without running the C++ static destructors: with gloo about 1 launch in 10 otherwise aborts at exit
-    # ("terminate called without an active exception") after the work is done. Destroy the process group first.
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run.launch(main)

@@ -19,9 +19,7 @@ pipeline bubble, measured per rank in every step's metrics.
 from __future__ import annotations
 
 import json
-import os
 import sys
-import time
 
 import safetensors.torch
 import torch
@@ -31,7 +29,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from transformers import get_cosine_schedule_with_warmup
 
 from ftkit import comm, data, metrics, models, run
-from ftkit.memory import ModelShape, predict
+from ftkit.profiling import StepProfiler
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
 
@@ -85,7 +83,9 @@ def stage_layout(num_layers: int, world: int, schedule: str) -> tuple[int, int]:
 class Stage(nn.Module):
     """A contiguous slice of Qwen3ForCausalLM: the token embedding if first, decoder layers, the final norm and
     lm_head if last. Its only input is the previous stage's output (token ids on the first stage), its only
-    output the hidden states (logits on the last), which is all a PipelineStage sends between ranks.
+    output the hidden states, which is all a PipelineStage sends between ranks. The last stage ends at the final
+    norm: the loss applies the lm_head (`Stage.logits`) on the answer positions only, so the [micro, seq, 151936]
+    logits of whole sequences are never made.
 
     No mask travels with the activations: the micro-batches are right-padded, so a real token's causal window
     never reaches a pad (pads come after every real token of the row), and causal attention alone
@@ -113,9 +113,11 @@ class Stage(nn.Module):
         cos_sin = self.rotary_emb(h, positions)
         for layer in self.layers:
             h = layer(h, attention_mask=None, position_ids=positions, position_embeddings=cos_sin)
-        if self.lm_head is not None:
-            h = self.lm_head(self.norm(h))
-        return h
+        return self.norm(h) if self.norm is not None else h
+
+    def logits(self, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The lm_head at `positions` [micro, k] of the last stage's output: the logits the loss needs."""
+        return self.lm_head(torch.take_along_dim(hidden, positions[..., None], dim=1))
 
 
 def global_adapter_key(stage_name: str, first_layer: int) -> str:
@@ -131,68 +133,19 @@ def global_adapter_key(stage_name: str, first_layer: int) -> str:
     return "base_model.model.model." + ".".join(parts)
 
 
-class ActionTimer:
-    """Wall-clock start and end of every forward (F) and backward (B) a rank's stages run inside the schedule:
-    the schedule calls each stage's forward_one_chunk / backward_one_chunk once per micro-batch, so wrapping
-    those two methods times each compute action, and the rest of the step is waiting (the bubble) or
-    point-to-point transfer."""
-
-    def __init__(self, stages: list[PipelineStage]):
-        self.t0 = time.perf_counter()
-        self.events: list[tuple[int, str, int, float, float]] = []  # (stage, F/B, micro-batch, start, end)
-        for stage in stages:
-            stage.forward_one_chunk = self._wrap(stage.forward_one_chunk, stage.stage_index, "F")
-            stage.backward_one_chunk = self._wrap(stage.backward_one_chunk, stage.stage_index, "B")
-
-    def _wrap(self, fn, stage: int, kind: str):
-        def timed(chunk_id: int, *args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return fn(chunk_id, *args, **kwargs)
-            finally:
-                self.events.append((stage, kind, chunk_id, start - self.t0, time.perf_counter() - self.t0))
-
-        return timed
-
-    def start(self) -> None:
-        self.t0, self.events = time.perf_counter(), []
-
-    def busy(self) -> float:
-        return sum(end - start for _, _, _, start, end in self.events)
-
-
-def record_sends(stages: list[PipelineStage], recorder: comm.CommRecorder) -> None:
-    """Count the bytes each stage sends. The schedules batch their point-to-point operations as P2POp(dist.isend,
-    ...) and check `op is dist.isend`, so wrapping dist.isend (ftkit.comm.recording) would break them; the sends
-    are recorded where the stage builds them instead. The schedule waits for these works itself, so only bytes and
-    counts are recorded (time_s stays 0)."""
-    for stage in stages:
-        for name in ("get_fwd_send_ops", "get_bwd_send_ops"):
-            build = getattr(stage, name)
-
-            def counted(chunk_id: int, build=build):
-                ops = build(chunk_id)
-                for op in ops:
-                    recorder.completed("send", recorder.issued("send", comm.nbytes(op.tensor)))
-                return ops
-
-            setattr(stage, name, counted)
-
-
 def main() -> None:
     args = parse_args()
     # ---- process group: one process per GPU; each owns one pipeline stage (two with interleaved 1F1B).
-    if "LOCAL_RANK" not in os.environ:
-        raise run.RunError(
-            "launch this script with torchrun, one process per GPU:\n    uv run torchrun --nproc_per_node=2 "
-            + " ".join(sys.argv)
-        )
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = run.device_for(args, local_rank)
-    if device.type == "cpu":  # the ranks on this machine share its cores instead of each taking all of them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    device = run.device_for(args, run.torchrun_local_rank())
+    run.share_cpu_cores(device)
+    # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
+    # collective meanwhile, where NCCL's 10-minute timeout would end the run.
+    models.fetch(args.model)
+    splits = data.load_splits(args.data, args.data_revision)
+    # NCCL moves CUDA tensors only; "cpu:gloo,cuda:nccl" gives a CPU tensor (a metric, a pickled object) a gloo
+    # route instead of an error, and device_id binds the NCCL communicator to this rank's GPU.
     if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -205,29 +158,19 @@ def main() -> None:
     dtype = run.torch_dtype(args.dtype)
     run_dir, resume_from = run.on_rank0(run.resolve_run_dir, args)
 
-    def print0(*text: str) -> None:
-        if rank == 0:
-            print(*text, flush=True)
-
     # ---- data: the same global batches on every rank (rank 0 of 1 data-parallel replica)
-    splits = data.load_splits(args.data, args.data_revision)
-    with run.rank0_first():
-        tokenizer = models.load_tokenizer(args.model, data.corpus(splits["train"]))
-    formatter = data.ChatFormatter(tokenizer, args.max_length)
-    train_set, train_stats = formatter.encode_all(splits["train"])
-    val_set, _ = formatter.encode_all(splits["val"])
-    print0(f"train: {train_stats.describe()}")
+    tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
     batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
 
     def padded(items: list) -> dict[str, torch.Tensor]:
         # A PipelineStage learns the shapes it sends and receives from the first micro-batch and allocates its
-        # receive buffers once, so every micro-batch of every step has one shape: (micro, --max-length).
+        # receive buffers once, so every micro-batch of every step has one shape: (micro, --max-length). The
+        # last stage's target packs, per row, the positions whose logits the loss needs and the tokens they
+        # predict ([rows, 2, k]), so the schedule cuts both into micro-batches along with the inputs.
         mb = data.collate(items)
-        pad = args.max_length - mb["input_ids"].shape[1]
         return {
-            "input_ids": nn.functional.pad(mb["input_ids"], (0, pad)),
-            "labels": nn.functional.pad(mb["labels"], (0, pad), value=data.IGNORE_INDEX),
-            "attention_mask": nn.functional.pad(mb["attention_mask"], (0, pad)),
+            "input_ids": nn.functional.pad(mb["input_ids"], (0, args.max_length - mb["input_ids"].shape[1])),
+            "target": torch.stack([mb["logit_positions"], mb["targets"]], dim=1),
         }
 
     # The eval set, in groups of --batch-size examples (the pipeline's shape); the last group is filled with
@@ -237,8 +180,9 @@ def main() -> None:
     for i in range(0, len(chosen), args.batch_size):
         group = chosen[i : i + args.batch_size]
         b = padded(group + [group[-1]] * (args.batch_size - len(group)))
-        b["labels"][len(group) :] = data.IGNORE_INDEX
+        b["target"][len(group) :, 1] = data.IGNORE_INDEX
         eval_batches.append(b)
+    eval_targets = sum(int((b["target"][:, 1] != data.IGNORE_INDEX).sum()) for b in eval_batches)
 
     # ---- model: every rank builds the whole frozen base and the whole LoRA adapter from the seed (the same
     # weights and the same adapter init as the single-GPU run), then keeps only its stages. At 4B that fits; a
@@ -255,7 +199,7 @@ def main() -> None:
     model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     counts = models.parameter_counts(model)
     adapter_config = model.peft_config["default"]
-    print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
+    run.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
 
     # ---- pipeline: a Stage per stage id, wrapped in a PipelineStage that owns its point-to-point buffers
     lm = model.base_model.model
@@ -267,13 +211,15 @@ def main() -> None:
     has_first, has_last = stages[0].is_first, stages[-1].is_last
     last_rank = (n_stages - 1) % world
 
-    # The loss of one micro-batch: its token-loss sum over the step's global target tokens. The schedule sums
-    # what loss_fn returns into the gradients, micro-batch by micro-batch; scale_grads=False stops it dividing
-    # them by m as well (its default assumes a per-micro-batch mean loss).
+    # The loss of one micro-batch: its token-loss sum over the step's global target tokens, from the lm_head at
+    # the answer positions of the last stage's output. The schedule sums what loss_fn returns into the gradients,
+    # micro-batch by micro-batch; scale_grads=False stops it dividing them by m as well (its default assumes a
+    # per-micro-batch mean loss).
     denominator = [1.0]
 
-    def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return data.token_loss_sum(logits, labels) / denominator[0]
+    def loss_fn(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = modules[-1].logits(hidden, target[:, 0])
+        return data.token_loss_sum(logits, target[:, 1]) / denominator[0]
 
     schedule_cls = SCHEDULES[args.schedule]
     schedule = schedule_cls(
@@ -282,9 +228,9 @@ def main() -> None:
         loss_fn=loss_fn,
         scale_grads=False,
     )
-    timer_actions = ActionTimer(stages)
+    timer_actions = metrics.ActionTimer(stages, device)
     recorder = comm.CommRecorder(device)
-    record_sends(stages, recorder)
+    comm.record_stage_sends(stages, recorder)
 
     trainable = [p for m in modules for p in m.parameters() if p.requires_grad]  # this rank's stages only
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
@@ -305,10 +251,7 @@ def main() -> None:
         parts = [None] * world if rank == 0 else None
         dist.gather_object(stage_lora(), parts, dst=0)
         if rank == 0:
-            path.mkdir(parents=True, exist_ok=True)
-            merged = {k: v for part in parts for k, v in part.items()}
-            safetensors.torch.save_file(dict(sorted(merged.items())), path / "adapter_model.safetensors")
-            adapter_config.save_pretrained(path)
+            run.save_adapter(path, {k: v for part in parts for k, v in part.items()}, adapter_config)
 
     # ---- resume: the merged adapter (each rank takes its stages' keys), each rank's optimizer and RNG
     start_step = 0
@@ -333,7 +276,7 @@ def main() -> None:
         scheduler.load_state_dict(opt["scheduler"])
         run.set_rng_state(run.load_torch(resume_from / f"rng-rank{rank}.pt"))
         start_step = state["step"]
-        print0(f"resumed from {resume_from} at step {start_step}")
+        run.print0(f"resumed from {resume_from} at step {start_step}")
 
     hardware = metrics.hardware(device, world_size=world)
     pipeline = {
@@ -344,20 +287,9 @@ def main() -> None:
         "layers_per_stage": per_stage,
         "microbatches": accum,
     }
+    run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum, pipeline=pipeline)
     run.on_rank0(
-        run.init_run_dir,
-        run_dir,
-        args,
-        {
-            "args": run.args_dict(args),
-            "versions": metrics.versions(),
-            "hardware": hardware,
-            "data": train_stats.as_dict(),
-            "parameters": counts,
-            "accumulation_steps": accum,
-            "pipeline": pipeline,
-        },
-        resume_step=start_step if resume_from is not None else None,
+        run.init_run_dir, run_dir, args, run_config, resume_step=start_step if resume_from is not None else None
     )
     log = metrics.MetricsLog(
         run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
@@ -381,105 +313,103 @@ def main() -> None:
 
     def eval_loss() -> float:
         # Forward only, through the same pipeline; the loss function returns plain sums here.
-        sums = torch.zeros(2, dtype=torch.float64)
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         denominator[0] = 1.0
         for m in modules:
             m.eval()
         for b in eval_batches:
             losses: list[torch.Tensor] = []
             with torch.no_grad():
-                schedule.eval(
-                    *([b["input_ids"].to(device)] if has_first else []), target=b["labels"].to(device), losses=losses
-                )
+                b = data.to_device(b, device)
+                schedule.eval(*([b["input_ids"]] if has_first else []), target=b["target"], losses=losses)
             if has_last:
-                sums[0] += sum(loss.item() for loss in losses)
-            sums[1] += (b["labels"][:, 1:] != data.IGNORE_INDEX).sum()
+                loss_sum += torch.stack(losses).sum()
         for m in modules:
             m.train()
         recorder.take()  # the eval's sends are not the training step's traffic
-        dist.broadcast(sums, src=last_rank)
-        return (sums[0] / sums[1]).item()
+        dist.broadcast(loss_sum, src=last_rank)
+        return loss_sum.item() / eval_targets
 
     # ---- train
     last_step = args.max_steps if args.stop_after is None else args.stop_after
     timeline: dict | None = None
-    for step in range(start_step, last_step):
-        metrics.reset_peak_memory(device)
-        denominator[0] = batches.n_target(step)  # target tokens of the whole global batch
-        batch = padded([batches.data[i] for i in batches.indices(step)])
-        seq_lens = batch["attention_mask"].sum(1).tolist()
-        losses: list[torch.Tensor] = []
-        with metrics.StepTimer(device) as timer:
-            timer_actions.start()
-            # The schedule splits the batch into m micro-batches along dim 0 and runs its forwards and backwards
-            # in its order; the first stage reads the input ids, the last the labels.
-            inputs = [batch["input_ids"].to(device)] if has_first else []
-            target = batch["labels"].to(device) if has_last else None
-            schedule.step(*inputs, target=target, losses=losses)
-            pipe_time = time.perf_counter() - timer_actions.t0
-            step_events = list(timer_actions.events)
-            # Clipping needs the norm of the whole model's gradient: each rank holds its stages' share, so sum
-            # the squared norms across ranks (the same total torch.nn.utils.clip_grad_norm_ computes on one).
-            sq = torch.zeros((), dtype=torch.float32, device=device)
-            for p in trainable:
-                if p.grad is not None:
-                    sq += p.grad.detach().float().pow(2).sum()
-            dist.all_reduce(sq)
-            grad_norm = sq.sqrt()
-            if args.max_grad_norm > 0:
-                scale = (args.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+    profiler = StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step)
+    with profiler:
+        for step in range(start_step, last_step):
+            metrics.reset_peak_memory(device)
+            denominator[0] = batches.n_target(step)  # target tokens of the whole global batch
+            batch = data.to_device(padded([batches.data[i] for i in batches.indices(step)]), device)
+            losses: list[torch.Tensor] = []
+            with metrics.StepTimer(device) as timer:
+                timer_actions.start()
+                # The schedule splits the batch into m micro-batches along dim 0 and runs its forwards and
+                # backwards in its order; the first stage reads the input ids, the last the targets.
+                inputs = [batch["input_ids"]] if has_first else []
+                schedule.step(*inputs, target=batch["target"] if has_last else None, losses=losses)
+                timer_actions.stop()
+                # Clipping needs the norm of the whole model's gradient: each rank holds its stages' share, so
+                # sum the squared norms across ranks (the same total torch.nn.utils.clip_grad_norm_ computes).
+                sq = torch.zeros((), dtype=torch.float32, device=device)
                 for p in trainable:
                     if p.grad is not None:
-                        p.grad.mul_(scale)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-        step_comm = recorder.take()
-        # Busy = inside a stage's forward or backward; idle = the rest of the schedule's run (waiting, transfers).
-        busy = timer_actions.busy()
-        mine = torch.tensor([busy, pipe_time], dtype=torch.float64)
-        every = [torch.zeros(2, dtype=torch.float64) for _ in range(world)]
-        dist.all_gather(every, mine)
-        loss = torch.tensor(sum(x.item() for x in losses) if has_last else 0.0, dtype=torch.float64)
-        dist.broadcast(loss, src=last_rank)
-        sends = [None] * world
-        dist.all_gather_object(sends, step_comm)
-        busy_s = [t[0].item() for t in every]
-        pipe_s = [t[1].item() for t in every]
-        bubble = [1 - b / w for b, w in zip(busy_s, pipe_s)]
-        flops = metrics.step_flops(seq_lens, config, counts["trainable"])
-        send = {
-            "bytes": sum(s.get("send", {}).get("bytes", 0) for s in sends),
-            "count": sum(s.get("send", {}).get("count", 0) for s in sends),
-            "time_s": 0.0,
-        }
-        row = {
-            "step": step + 1,
-            "loss": loss.item(),
-            "lr": scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm.item(),
-            "target_tokens": denominator[0],
-            "tokens": int(sum(seq_lens)),
-            "step_time_s": timer.seconds,
-            "tokens_per_s": sum(seq_lens) / timer.seconds,
-            "mfu": flops / (timer.seconds * peak * world) if peak else None,
-            "comm": {"send": send},
-            "pipeline_time_s": pipe_s,
-            "busy_s": busy_s,
-            "idle_s": [w - b for b, w in zip(busy_s, pipe_s)],
-            "bubble_per_rank": bubble,
-            "bubble": sum(bubble) / world,
-            **metrics.peak_memory(device),
-        }
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
-            row["eval_loss"] = eval_loss()
-        log.log(row)
-        if step + 1 == last_step:  # the last step's actions, every rank's, for the timeline figure
-            events = [None] * world
-            dist.all_gather_object(events, step_events)
-            timeline = {"ranks": world, "stages": n_stages, "microbatches": accum, "events": events}
-        if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
-            save_checkpoint(step + 1)
+                        sq += p.grad.detach().float().pow(2).sum()
+                dist.all_reduce(sq)
+                grad_norm = sq.sqrt()
+                if args.max_grad_norm > 0:
+                    scale = (args.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+                    for p in trainable:
+                        if p.grad is not None:
+                            p.grad.mul_(scale)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            # The loss lives on the last stage: broadcast it on the device, then the step's one host sync for
+            # every device scalar the metrics need.
+            loss = torch.stack(losses).detach().sum() if has_last else torch.zeros((), device=device)
+            dist.broadcast(loss, src=last_rank)
+            loss, grad_norm = torch.stack([loss, grad_norm]).tolist()
+            # Busy = inside a stage's forward or backward; idle = the rest of the schedule's run (waiting,
+            # transfers). Python numbers from every rank: an object collective, over gloo on CUDA too.
+            step_events, busy, pipe_time = timer_actions.read()
+            every = [None] * world
+            dist.all_gather_object(every, (busy, pipe_time, recorder.take()))
+            busy_s, pipe_s, sends = (list(x) for x in zip(*every))
+            bubble = [1 - b / w for b, w in zip(busy_s, pipe_s)]
+            send = {
+                "bytes": sum(s.get("send", {}).get("bytes", 0) for s in sends),
+                "count": sum(s.get("send", {}).get("count", 0) for s in sends),
+                "time_s": 0.0,
+            }
+            row = metrics.step_row(
+                step=step + 1,
+                loss=loss,
+                grad_norm=grad_norm,
+                lr=scheduler.get_last_lr()[0],
+                target_tokens=denominator[0],
+                lengths=batches.lengths(step),  # real tokens of the global batch: known on the host
+                config=config,
+                n_lora=counts["trainable"],
+                seconds=timer.seconds,
+                peak=peak,
+                devices=world,
+                device=device,
+                comm={"send": send},
+                pipeline_time_s=pipe_s,
+                busy_s=busy_s,
+                idle_s=[w - b for b, w in zip(busy_s, pipe_s)],
+                bubble_per_rank=bubble,
+                bubble=sum(bubble) / world,
+            )
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
+                row["eval_loss"] = eval_loss()
+            log.log(row)
+            if step + 1 == last_step:  # the last step's actions, every rank's, for the timeline figure
+                events = [None] * world
+                dist.all_gather_object(events, step_events)
+                timeline = {"ranks": world, "stages": n_stages, "microbatches": accum, "events": events}
+            if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
+                save_checkpoint(step + 1)
+            profiler.step(step + 1)
     log.close()
 
     # ---- save: one stock PEFT adapter for the whole model, merged from the stages on rank 0
@@ -493,80 +423,49 @@ def main() -> None:
     p, v, m = world, n_stages // world, accum
     # The memory model knows GPipe's and 1F1B's in-flight micro-batches. Interleaved 1F1B keeps no more than
     # GPipe does (at most m micro-batches' activations per layer), so GPipe's figure is its upper bound.
-    predicted = predict(
-        ModelShape.from_config(config),
-        technique="pp",
-        quant="none",
-        dtype=args.dtype,
-        world_size=world,
-        lora_rank=args.lora_rank,
-        micro_batch_size=args.micro_batch_size,
-        seq_len=args.max_length,
-        grad_checkpointing=args.grad_checkpointing,
-        pp_schedule="1f1b" if args.schedule == "1f1b" else "gpipe",
-        num_microbatches=m,
-    ).as_dict()
     rows = log.rows
-    summary = {
-        "status": "completed" if finished else f"stopped after step {last_step} (--stop-after); continue with --resume",
-        "run_dir": str(run_dir),
-        "config": run.args_dict(args),
-        "versions": metrics.versions(),
-        "hardware": hardware,
-        "data": train_stats.as_dict(),
-        "parameters": counts,
-        "accumulation_steps": accum,
-        "pipeline": pipeline,
-        **log.summary(),
+    summary = metrics.run_summary(
+        run_config,
+        log,
+        run_dir=run_dir,
+        last_step=last_step,
+        peak=peak,
+        predicted=metrics.predicted_memory(
+            config,
+            args,
+            "pp",
+            world_size=world,
+            pp_schedule="1f1b" if args.schedule == "1f1b" else "gpipe",
+            num_microbatches=m,
+        ),
+        note=metrics.memory_note(device, "(predicted: the busiest stage; interleaved 1F1B: GPipe's, an upper bound) "),
         # The bubble: the share of the schedule's time a rank waits, measured, and what the schedule's shape
         # predicts with equal-cost stages and free transfers: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al.
         # 2019, arXiv 1811.06965); interleaving v chunks per rank shrinks the bubble time by v, (p-1)/(v*m) of
         # the ideal time (Narayanan et al. 2021, arXiv 2104.04473, Sec. 2.2), i.e. (p-1)/(v*m+p-1) of the total.
-        "bubble": sum(r["bubble"] for r in rows) / len(rows) if rows else None,
-        "bubble_per_rank": [sum(r["bubble_per_rank"][k] for r in rows) / len(rows) for k in range(world)]
+        bubble=sum(r["bubble"] for r in rows) / len(rows) if rows else None,
+        bubble_per_rank=[sum(r["bubble_per_rank"][k] for r in rows) / len(rows) for k in range(world)]
         if rows
         else None,
-        "bubble_theory": (p - 1) / (v * m + p - 1),
-        "bubble_note": "per rank and step: 1 - (time inside the stages' forward/backward) / (time inside "
-        "schedule.step); the mean over steps and ranks. Idle time includes point-to-point transfers and the "
-        "schedule's own Python work, which the theory counts as zero",
+        bubble_theory=(p - 1) / (v * m + p - 1),
+        bubble_note="per rank and step: 1 - (time inside the stages' forward/backward) / (time inside "
+        "schedule.step), timed with CUDA events on GPUs, wall-clock on CPU; the mean over steps and ranks. "
+        "Idle time includes point-to-point transfers and the schedule's own Python work, which the theory counts "
+        "as zero",
         # Each micro-batch crosses every stage boundary once forward (activations) and once backward (their
         # gradients): micro x --max-length x hidden x bytes, 2 (stages - 1) m times per step.
-        "activation_bytes_per_microbatch": args.micro_batch_size
+        activation_bytes_per_microbatch=args.micro_batch_size
         * args.max_length
         * config.hidden_size
         * torch.finfo(dtype).bits
         // 8,
         **comm.summarize(rows),
-        "comm_note": "per optimizer step, all ranks together: the point-to-point sends between stages (activations "
+        comm_note="per optimizer step, all ranks together: the point-to-point sends between stages (activations "
         "forward, their gradients backward), counted where the stages build them; time is not measured",
-        "mfu_convention": metrics.MFU_CONVENTION,
-        "peak_flops": peak,
-        "memory_predicted": predicted,
-        "memory_note": "predicted: the memory model (ftkit/memory.py), busiest stage, at micro-batch x --max-length"
-        " (for interleaved 1F1B: GPipe's, an upper bound); measured on rank 0: "
-        + (
-            "CUDA peak allocated"
-            if device.type == "cuda"
-            else "process peak RSS, which also counts Python, libraries and data, so it is not comparable with the "
-            "model's GPU bytes"
-        ),
-    }
+    )
     run.write_summary(run_dir, summary)
     print(f"run directory: {run_dir}" + (f"\nadapter: {run_dir / 'adapter'}" if finished else ""))
 
 
 if __name__ == "__main__":
-    code = 0
-    try:
-        main()
-    except (run.RunError, data.DataError, run.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    # Leave without running the C++ static destructors: with gloo about 1 launch in 10 otherwise aborts at exit
-    # ("terminate called without an active exception") after the work is done. Destroy the process group first.
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run.launch(main)

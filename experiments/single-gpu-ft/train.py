@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import safetensors.torch
 import torch
-from peft import prepare_model_for_kbit_training, set_peft_model_state_dict
+from peft import set_peft_model_state_dict
 from transformers import get_cosine_schedule_with_warmup
 
 from ftkit import data, metrics, models, run
-from ftkit.memory import ModelShape, predict
+from ftkit.profiling import StepProfiler
 
 
 def parse_args():
@@ -41,11 +41,7 @@ def main() -> None:
 
     # ---- data: AMI examples in Qwen3's chat format, loss only on the answer, length-grouped global batches
     splits = data.load_splits(args.data, args.data_revision)
-    tokenizer = models.load_tokenizer(args.model, data.corpus(splits["train"]))
-    formatter = data.ChatFormatter(tokenizer, args.max_length)
-    train_set, train_stats = formatter.encode_all(splits["train"])
-    val_set, _ = formatter.encode_all(splits["val"])
-    print(f"train: {train_stats.describe()}")
+    tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
     batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
@@ -55,16 +51,9 @@ def main() -> None:
         args.model, quant=args.quant, dtype=dtype, device=device, seed=args.seed, vocab_size=len(tokenizer)
     )
     config = model.config
-    checkpointing = {"use_reentrant": False}  # non-reentrant: works with frozen inputs and, later, with DDP
-    if args.quant == "nf4":
-        # Casts the non-quantized params (norms, embeddings) to fp32 for stable training, as QLoRA does.
-        model = prepare_model_for_kbit_training(
-            model,
-            use_gradient_checkpointing=args.grad_checkpointing,
-            gradient_checkpointing_kwargs=checkpointing,
-        )
-    elif args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=checkpointing)
+    # Frozen base, activation checkpointing (non-reentrant: works with frozen inputs and, later, with DDP). The
+    # embedding, lm_head and norms stay in the compute dtype (bf16 on GPUs), as in the bf16-LoRA runs.
+    model = models.freeze_base(model, args.grad_checkpointing)
     model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     counts = models.parameter_counts(model)
     print(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
@@ -89,19 +78,8 @@ def main() -> None:
         start_step = state["step"]
         print(f"resumed from {resume_from} at step {start_step}")
 
-    run.init_run_dir(
-        run_dir,
-        args,
-        {
-            "args": run.args_dict(args),
-            "versions": metrics.versions(),
-            "hardware": metrics.hardware(device, world_size=1),
-            "data": train_stats.as_dict(),
-            "parameters": counts,
-            "accumulation_steps": accum,
-        },
-        resume_step=start_step if resume_from is not None else None,
-    )
+    run_config = metrics.run_config(args, metrics.hardware(device, world_size=1), train_stats.as_dict(), counts, accum)
+    run.init_run_dir(run_dir, args, run_config, resume_step=start_step if resume_from is not None else None)
     log = metrics.MetricsLog(run_dir, rank=0, total_steps=args.max_steps, start_step=start_step, progress=args.progress)
     peak = metrics.peak_flops(device)
 
@@ -115,80 +93,68 @@ def main() -> None:
     # ---- train
     model.train()
     last_step = args.stop_after or args.max_steps
-    for step in range(start_step, last_step):
-        metrics.reset_peak_memory(device)
-        n_target = batches.n_target(step)  # target tokens of the whole global batch: the loss denominator
-        loss_sum = torch.zeros((), device=device)
-        seq_lens: list[int] = []
-        with metrics.StepTimer(device) as timer:
-            for mb in batches.micro_batches(step, args.micro_batch_size):
-                mb = {k: v.to(device) for k, v in mb.items()}
-                logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-                loss = data.token_loss_sum(logits, mb["labels"]) / n_target
-                loss.backward()
-                loss_sum += loss.detach()
-                seq_lens += mb["attention_mask"].sum(1).tolist()
-            clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-            grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-        flops = metrics.step_flops(seq_lens, config, counts["trainable"])
-        row = {
-            "step": step + 1,
-            "loss": loss_sum.item(),
-            "lr": scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm.item(),
-            "target_tokens": n_target,
-            "tokens": sum(seq_lens),
-            "step_time_s": timer.seconds,
-            "tokens_per_s": sum(seq_lens) / timer.seconds,
-            "mfu": flops / (timer.seconds * peak) if peak else None,
-            **metrics.peak_memory(device),
-        }
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
-            sums = run.eval_loss_sums(model, eval_batches, device)
-            row["eval_loss"] = (sums[0] / sums[1]).item()
-        log.log(row)
-        if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
-            save_checkpoint(step + 1)
+    profiler = StepProfiler(args.profile_steps, run_dir, device, 0, start_step=start_step)
+    with profiler:
+        for step in range(start_step, last_step):
+            metrics.reset_peak_memory(device)
+            n_target = batches.n_target(step)  # target tokens of the whole global batch: the loss denominator
+            loss_sum = torch.zeros((), device=device)
+            with metrics.StepTimer(device) as timer:
+                for mb in batches.micro_batches(step, args.micro_batch_size):
+                    mb = data.to_device(mb, device)
+                    # The lm_head runs on the answer positions only: the loss needs no other logits.
+                    out = model(
+                        input_ids=mb["input_ids"],
+                        attention_mask=mb["attention_mask"],
+                        logits_to_keep=mb["logit_positions"],
+                    )
+                    loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                    del out  # the logits are freed by backward, not kept alive into the next forward
+                    loss.backward()
+                    loss_sum += loss.detach()
+                clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+                grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            # The step's one host sync: the device scalars the metrics need, copied together.
+            loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
+            row = metrics.step_row(
+                step=step + 1,
+                loss=loss_value,
+                grad_norm=grad_norm,
+                lr=scheduler.get_last_lr()[0],
+                target_tokens=n_target,
+                lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
+                config=config,
+                n_lora=counts["trainable"],
+                seconds=timer.seconds,
+                peak=peak,
+                devices=1,
+                device=device,
+            )
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
+                sums = run.eval_loss_sums(model, eval_batches, device)
+                row["eval_loss"] = (sums[0] / sums[1]).item()
+            log.log(row)
+            if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
+                save_checkpoint(step + 1)
+            profiler.step(step + 1)
     log.close()
 
     # ---- save: a stock PEFT adapter (adapter_config.json + adapter_model.safetensors)
     finished = last_step == args.max_steps
     if finished:
         model.save_pretrained(run_dir / "adapter")
-    shape = ModelShape.from_config(config)
-    predicted = predict(
-        shape,
-        technique="single",
-        quant=args.quant,
-        dtype=args.dtype,
-        lora_rank=args.lora_rank,
-        micro_batch_size=args.micro_batch_size,
-        seq_len=args.max_length,
-        grad_checkpointing=args.grad_checkpointing,
-    ).as_dict()
-    summary = {
-        "status": "completed" if finished else f"stopped after step {last_step} (--stop-after); continue with --resume",
-        "run_dir": str(run_dir),
-        "config": run.args_dict(args),
-        "versions": metrics.versions(),
-        "hardware": metrics.hardware(device, world_size=1),
-        "data": train_stats.as_dict(),
-        "parameters": counts,
-        **log.summary(),
-        "mfu_convention": metrics.MFU_CONVENTION,
-        "peak_flops": peak,
-        "memory_predicted": predicted,
-        "memory_note": "predicted: the memory model (ftkit/memory.py) at micro-batch x --max-length; measured: "
-        + (
-            "CUDA peak allocated"
-            if device.type == "cuda"
-            else "process peak RSS, which also counts Python, "
-            "libraries and data, so it is not comparable with the model's GPU bytes"
-        ),
-    }
+    summary = metrics.run_summary(
+        run_config,
+        log,
+        run_dir=run_dir,
+        last_step=last_step,
+        peak=peak,
+        predicted=metrics.predicted_memory(config, args, "single", quant=args.quant),
+        note=metrics.memory_note(device),
+    )
     run.write_summary(run_dir, summary)
     print(f"run directory: {run_dir}" + (f"\nadapter: {run_dir / 'adapter'}" if finished else ""))
 

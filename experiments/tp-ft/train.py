@@ -15,8 +15,7 @@ the world size). No sequence parallelism here: the activations between blocks ar
 
 from __future__ import annotations
 
-import os
-import sys
+import contextlib
 
 import safetensors.torch
 import torch
@@ -27,7 +26,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from transformers import get_cosine_schedule_with_warmup
 
 from ftkit import comm, data, metrics, models, run
-from ftkit.memory import ModelShape, predict
+from ftkit.profiling import StepProfiler
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features (heads, MLP columns) split
 ROW = ("o_proj", "down_proj")  # input features split; each rank adds its partial sum into the reduction
@@ -43,6 +42,12 @@ def parse_args():
         "the adapters whole: reproduces the error this gives",
     )
     g.add_argument(
+        "--comm-every-step",
+        action="store_true",
+        help="record DTensor's collectives on every step; by default only on sampled steps (the first step run "
+        "and every eval step), since the dispatch mode that sees them runs Python on every op of the step",
+    )
+    g.add_argument(
         "--dump-grads",
         action="store_true",
         help="write the first step's LoRA gradients, reassembled to full shapes, to grads-step1.safetensors",
@@ -56,25 +61,6 @@ def parse_args():
     if args.resume:
         raise run.RunError("--resume is not implemented for tp-ft: start a new run")
     return args
-
-
-def check_tp_degree(config, tp: int) -> None:
-    """Heads and MLP columns are dealt out whole: the degree must divide the KV heads (and so the query heads,
-    a multiple of them) and the intermediate size. Checked from the config, before any weight is loaded."""
-    reasons = []
-    for name, n in (
-        ("key/value heads", config.num_key_value_heads),
-        ("attention heads", config.num_attention_heads),
-        ("intermediate size", config.intermediate_size),
-    ):
-        if n % tp:
-            reasons.append(f"{n} {name}")
-    if reasons:
-        ok = [d for d in range(1, config.num_key_value_heads + 1) if config.num_key_value_heads % d == 0]
-        raise run.RunError(
-            f"tensor-parallel degree {tp} does not divide the model's {', '.join(reasons)}: each rank must hold "
-            f"whole heads; use --nproc_per_node in {ok}"
-        )
 
 
 # ---- the plan. ColwiseParallel shards a Linear's weight by output rows (Shard(0)) and expects a replicated input;
@@ -126,40 +112,27 @@ def full_lora(model, grads: bool = False) -> dict[str, torch.Tensor]:
 def main() -> None:
     args = parse_args()
     # ---- process group: one process per GPU; all of them form one tensor-parallel group.
-    if "LOCAL_RANK" not in os.environ:
-        raise run.RunError(
-            "launch this script with torchrun, one process per GPU:\n    uv run torchrun --nproc_per_node=2 "
-            + " ".join(sys.argv)
-        )
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = run.device_for(args, local_rank)
-    if device.type == "cpu":  # the ranks on this machine share its cores instead of each taking all of them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    device = run.device_for(args, run.torchrun_local_rank())
+    run.share_cpu_cores(device)
+    # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
+    # collective meanwhile, where NCCL's 10-minute timeout would end the run.
+    models.fetch(args.model)
+    splits = data.load_splits(args.data, args.data_revision)
+    # NCCL moves CUDA tensors only; "cpu:gloo,cuda:nccl" gives a CPU tensor (a metric, a pickled object) a gloo
+    # route instead of an error, and device_id binds the NCCL communicator to this rank's GPU.
     if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
     rank, tp = dist.get_rank(), dist.get_world_size()
-    # A 1-D device mesh: all ranks form the one tensor-parallel dimension the plan's DTensors are placed on.
-    mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
     # TP does not split the batch: data-parallel degree 1, every rank runs every micro-batch.
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
     dtype = run.torch_dtype(args.dtype)
     run_dir, _ = run.on_rank0(run.resolve_run_dir, args)
 
-    def print0(*text: str) -> None:
-        if rank == 0:
-            print(*text, flush=True)
-
     # ---- data: every rank builds the same global batches and runs all of them (rank 0 of a world of 1).
-    splits = data.load_splits(args.data, args.data_revision)
-    with run.rank0_first():
-        tokenizer = models.load_tokenizer(args.model, data.corpus(splits["train"]))
-    check_tp_degree(models.model_config(args.model, len(tokenizer)), tp)
-    formatter = data.ChatFormatter(tokenizer, args.max_length)
-    train_set, train_stats = formatter.encode_all(splits["train"])
-    val_set, _ = formatter.encode_all(splits["val"])
-    print0(f"train: {train_stats.describe()}")
+    tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
+    run.check_tp_degree(models.model_config(args.model, len(tokenizer)), tp)
     batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
 
@@ -179,176 +152,136 @@ def main() -> None:
     # ---- tensor parallel: each decoder layer's projections (and their adapters) become DTensors sharded over
     # the mesh. Heads per rank need no config change: Qwen3Attention reshapes q/k/v with view(..., -1, head_dim),
     # so a rank whose q_proj returns heads/N * head_dim features runs heads/N heads (and kv_heads/N KV heads).
+    # A 1-D device mesh: all ranks form the one tensor-parallel dimension the plan's DTensors are placed on.
+    mesh = init_device_mesh(device.type, (tp,), mesh_dim_names=("tp",))
     plan = naive_plan() if args.naive_plan else lora_aware_plan()
     for layer in model.base_model.model.model.layers:
         parallelize_module(layer, mesh, plan)
     for name, p in model.named_parameters():  # the plan must not make a frozen weight trainable
         p.requires_grad_("lora_" in name)
     counts = models.parameter_counts(model)
-    print0(f"parameters (whole model): {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
+    run.print0(f"parameters (whole model): {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
 
     hardware = metrics.hardware(device, world_size=tp)
-    run.on_rank0(
-        run.init_run_dir,
-        run_dir,
-        args,
-        {
-            "args": run.args_dict(args),
-            "versions": metrics.versions(),
-            "hardware": hardware,
-            "data": train_stats.as_dict(),
-            "parameters": counts,
-            "accumulation_steps": accum,
-            "tensor_parallel": tp,
-        },
-        resume_step=None,
-    )
+    run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum, tensor_parallel=tp)
+    run.on_rank0(run.init_run_dir, run_dir, args, run_config, resume_step=None)
     log = metrics.MetricsLog(run_dir, rank=rank, total_steps=args.max_steps, progress=args.progress)
     peak = metrics.peak_flops(device)
     recorder = comm.CommRecorder(device)
 
     # ---- train
     model.train()
-    activation_elems = 0  # elements of the block-boundary activations, for the comm theory in the summary
-    for step in range(args.max_steps):
-        metrics.reset_peak_memory(device)
-        n_target = batches.n_target(step)  # the whole global batch's target tokens, on every rank
-        loss_sum = torch.zeros((), device=device)
-        seq_lens: list[int] = []
-        with metrics.StepTimer(device) as timer:
-            # DTensor redistributes through functional collectives, which `comm.recording` cannot see.
-            with comm.recording_functional(recorder):
-                for mb in batches.micro_batches(step, args.micro_batch_size):
-                    mb = {k: v.to(device) for k, v in mb.items()}
-                    try:
-                        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-                    except RuntimeError as e:
-                        if not args.naive_plan:
-                            raise
-                        raise run.RunError(
-                            f"--naive-plan: the forward failed, as it must: {e}. The base layers return 1/{tp} of "
-                            "their features (or a partial sum) on each rank, the unsharded LoRA branch returns all "
-                            "of them, and PEFT adds the two. Shard the adapters like their base (the default plan)."
-                        ) from e
-                    loss = data.token_loss_sum(logits, mb["labels"]) / n_target
-                    loss.backward()  # the same loss on every rank: no scaling by the world size
-                    loss_sum += loss.detach()
-                    seq_lens += mb["attention_mask"].sum(1).tolist()
-                    activation_elems += mb["input_ids"].numel() * config.hidden_size
-            if args.dump_grads and step == 0:
-                grads = full_lora(model, grads=True)
-                if rank == 0:
-                    safetensors.torch.save_file(grads, run_dir / "grads-step1.safetensors")
-            # The global gradient norm: the DTensor shards' squares summed over the mesh, the replicated adapters
-            # counted once. (clip_grad_norm_ refuses a mix of DTensor and plain tensors.) Clipped as it clips.
-            sq = sum((p.grad.to_local() ** 2).sum() for p in trainable if isinstance(p, DTensor))
-            dist.all_reduce(sq)
-            grad_norm = (sq + sum((p.grad**2).sum() for p in trainable if not isinstance(p, DTensor))).sqrt()
-            if args.max_grad_norm > 0:
-                coef = (args.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0).item()
-                for p in trainable:
-                    p.grad.mul_(coef)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-        step_comm = recorder.take()
-        flops = metrics.step_flops(seq_lens, config, n_lora)
-        row = {
-            "step": step + 1,
-            "loss": loss_sum.item(),  # every rank computed the whole batch's loss
-            "lr": scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm.item(),
-            "target_tokens": n_target,
-            "tokens": sum(seq_lens),
-            "step_time_s": timer.seconds,
-            "tokens_per_s": sum(seq_lens) / timer.seconds,
-            "mfu": flops / (timer.seconds * peak * tp) if peak else None,
-            "comm": step_comm,
-            "activation_bytes": activation_elems * torch.finfo(dtype).bits // 8,
-            **metrics.peak_memory(device),
-        }
-        activation_elems = 0
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
-            sums = run.eval_loss_sums(model, eval_batches, device)  # the same on every rank
-            row["eval_loss"] = (sums[0] / sums[1]).item()
-        log.log(row)
+    profiler = StepProfiler(args.profile_steps, run_dir, device, rank)
+    with profiler:
+        for step in range(args.max_steps):
+            metrics.reset_peak_memory(device)
+            n_target = batches.n_target(step)  # the whole global batch's target tokens, on every rank
+            loss_sum = torch.zeros((), device=device)
+            evals = (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps
+            # DTensor redistributes through functional collectives, which `comm.recording` cannot see; the
+            # dispatch mode that does costs Python work on every op, so it runs on sampled steps only.
+            sampled = args.comm_every_step or step == 0 or evals
+            with metrics.StepTimer(device) as timer:
+                with comm.recording_functional(recorder) if sampled else contextlib.nullcontext():
+                    for mb in batches.micro_batches(step, args.micro_batch_size):
+                        mb = data.to_device(mb, device)
+                        try:
+                            # The lm_head runs on the answer positions only: the loss needs no other logits.
+                            out = model(
+                                input_ids=mb["input_ids"],
+                                attention_mask=mb["attention_mask"],
+                                logits_to_keep=mb["logit_positions"],
+                            )
+                        except RuntimeError as e:
+                            if not args.naive_plan:
+                                raise
+                            raise run.RunError(
+                                f"--naive-plan: the forward failed, as it must: {e}. The base layers return 1/{tp} "
+                                "of their features (or a partial sum) on each rank, the unsharded LoRA branch returns "
+                                "all of them, and PEFT adds the two. Shard the adapters like their base (the default "
+                                "plan)."
+                            ) from e
+                        loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                        del out  # the logits are freed by backward, not kept alive into the next forward
+                        loss.backward()  # the same loss on every rank: no scaling by the world size
+                        loss_sum += loss.detach()
+                if args.dump_grads and step == 0:
+                    grads = full_lora(model, grads=True)
+                    if rank == 0:
+                        safetensors.torch.save_file(grads, run_dir / "grads-step1.safetensors")
+                # The global gradient norm: the DTensor shards' squares summed over the mesh, the replicated
+                # adapters counted once. (clip_grad_norm_ refuses a mix of DTensor and plain tensors.)
+                sq = sum((p.grad.to_local() ** 2).sum() for p in trainable if isinstance(p, DTensor))
+                dist.all_reduce(sq)
+                grad_norm = (sq + sum((p.grad**2).sum() for p in trainable if not isinstance(p, DTensor))).sqrt()
+                if args.max_grad_norm > 0:  # clipped as clip_grad_norm_ clips, with the factor left on the device
+                    coef = (args.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
+                    for p in trainable:
+                        (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            # The step's one host sync: every device scalar the metrics need, copied together.
+            loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
+            step_comm = recorder.take()
+            micro_elems = [mb["input_ids"].numel() for mb in batches.micro_batches(step, args.micro_batch_size)]
+            row = metrics.step_row(
+                step=step + 1,
+                loss=loss_value,  # every rank computed the whole batch's loss
+                grad_norm=grad_norm,
+                lr=scheduler.get_last_lr()[0],
+                target_tokens=n_target,
+                lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
+                config=config,
+                n_lora=n_lora,
+                seconds=timer.seconds,
+                peak=peak,
+                devices=tp,
+                device=device,
+                # the block-boundary activations [micro, seq, hidden] of the step, for the comm theory
+                activation_bytes=sum(micro_elems) * config.hidden_size * dtype.itemsize,
+                **({"comm": step_comm} if sampled else {}),
+            )
+            if evals:
+                sums = run.eval_loss_sums(model, eval_batches, device)  # the same on every rank
+                row["eval_loss"] = (sums[0] / sums[1]).item()
+            log.log(row)
+            profiler.step(step + 1)
     log.close()
 
     # ---- save: the shards reassembled into one stock PEFT adapter
     adapter = full_lora(model)
     if args.dump_logits:
-        model.eval()
-        with torch.no_grad():
-            mb = {k: v.to(device) for k, v in eval_batches[0].items()}
-            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-        if rank == 0:
-            torch.save({"batch": eval_batches[0], "logits": logits.cpu()}, run_dir / "logits.pt")
+        run.dump_logits(model, eval_batches[0], device, run_dir / "logits.pt", rank)
     if rank != 0:
         return
-    (run_dir / "adapter").mkdir(parents=True, exist_ok=True)
-    safetensors.torch.save_file(adapter, run_dir / "adapter" / "adapter_model.safetensors", metadata={"format": "pt"})
-    peft_config.save_pretrained(run_dir / "adapter")
-    shape = ModelShape.from_config(config)
-    predicted = predict(
-        shape,
-        technique="tp",
-        quant="none",
-        dtype=args.dtype,
-        world_size=tp,
-        lora_rank=args.lora_rank,
-        micro_batch_size=args.micro_batch_size,
-        seq_len=args.max_length,
-        grad_checkpointing=args.grad_checkpointing,
-    ).as_dict()
-    summary = {
-        "status": "completed",
-        "run_dir": str(run_dir),
-        "config": run.args_dict(args),
-        "versions": metrics.versions(),
-        "hardware": hardware,
-        "data": train_stats.as_dict(),
-        "parameters": counts,
-        "accumulation_steps": accum,
-        "tensor_parallel": tp,
-        **log.summary(),
+    run.save_adapter(run_dir / "adapter", adapter, peft_config)
+    summary = metrics.run_summary(
+        run_config,
+        log,
+        run_dir=run_dir,
+        last_step=args.max_steps,
+        peak=peak,
+        predicted=metrics.predicted_memory(config, args, "tp", world_size=tp),
+        note=metrics.memory_note(device),
         # Theory per micro-batch and decoder layer, on activations [micro, seq, hidden] (`activation_bytes` per step
         # in the metrics) and the LoRA rank-r activations [micro, seq, r]: forward, RowwiseParallel all-reduces the
         # partial outputs of o_proj and down_proj (and of their lora_A); backward, every ColwiseParallel module
         # all-reduces the gradient of its own replicated input: q, k, v, gate, up (and their lora_B), one each.
         **comm.summarize(log.rows),
-        "comm_note": "per optimizer step, every functional collective DTensor issued in forward and backward "
+        comm_note="per optimizer step, every functional collective DTensor issued in forward and backward "
         "(ftkit/comm.py recording_functional): bytes of the all-reduced tensors; time_s is issue time only "
-        "(the ops are asynchronous); the gradient-norm clipping, the metrics and the reassembly are not counted",
-        "mfu_convention": metrics.MFU_CONVENTION,
-        "peak_flops": peak,
-        "memory_predicted": predicted,
-        "memory_note": "predicted: the memory model (ftkit/memory.py) at micro-batch x --max-length; measured on "
-        "rank 0: "
-        + (
-            "CUDA peak allocated"
-            if device.type == "cuda"
-            else "process peak RSS, which also counts Python, "
-            "libraries and data, so it is not comparable with the model's GPU bytes"
-        ),
-    }
+        "(the ops are asynchronous); the gradient-norm clipping, the metrics and the reassembly are not counted. "
+        "Recorded on sampled steps only (the first step run and every eval step; all with --comm-every-step): "
+        "the rows with a `comm` entry, and the means here are over those rows",
+    )
     run.write_summary(run_dir, summary)
     print(f"run directory: {run_dir}\nadapter: {run_dir / 'adapter'}")
 
 
 if __name__ == "__main__":
-    code = 0
-    try:
-        main()
-    except (run.RunError, data.DataError, run.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    # Leave without running the C++ static destructors (with gloo about 1 launch in 10 otherwise aborts at exit).
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run.launch(main)

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import sys
 
 import safetensors.torch
 import torch
@@ -29,7 +27,7 @@ import torch.nn.functional as F
 from transformers import get_cosine_schedule_with_warmup
 
 from ftkit import comm, data, metrics, models, run
-from ftkit.memory import ModelShape, predict
+from ftkit.profiling import StepProfiler
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features (heads, MLP columns) split
 ROW = ("o_proj", "down_proj")  # input features split; each rank adds its partial sum into the reduction
@@ -59,25 +57,6 @@ def parse_args():
     if args.resume:
         raise run.RunError("--resume is not implemented for tp-sp-ft: start a new run")
     return args
-
-
-def check_tp_degree(config, tp: int) -> None:
-    """Heads and MLP columns are dealt out whole: the degree must divide the KV heads (and so the query heads,
-    a multiple of them) and the intermediate size. Checked from the config, before any weight is loaded."""
-    reasons = []
-    for name, n in (
-        ("key/value heads", config.num_key_value_heads),
-        ("attention heads", config.num_attention_heads),
-        ("intermediate size", config.intermediate_size),
-    ):
-        if n % tp:
-            reasons.append(f"{n} {name}")
-    if reasons:
-        ok = [d for d in range(1, config.num_key_value_heads + 1) if config.num_key_value_heads % d == 0]
-        raise run.RunError(
-            f"tensor-parallel degree {tp} does not divide the model's {', '.join(reasons)}: each rank must hold "
-            f"whole heads; use --nproc_per_node in {ok}"
-        )
 
 
 # ---- the collectives. The flat *_tensor collectives concatenate / split along dim 0, so the sequence dim (1 of
@@ -324,57 +303,29 @@ def full_lora(model, group, grads: bool = False) -> dict[str, torch.Tensor]:
     return out
 
 
-class SavedActivations:
-    """Bytes autograd saves for backward while some modules run (distinct storages, parameters excluded): one
-    decoder layer's per-rank activation memory, and its two norms', measured on the first micro-batch."""
-
-    def __init__(self, model, regions: dict[str, list[torch.nn.Module]]):
-        self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        self.active: set[str] = set()
-        self.saved: dict[str, dict[int, int]] = {name: {} for name in regions}
-        self.handles = []
-        for name, modules in regions.items():
-            for m in modules:
-                self.handles.append(m.register_forward_pre_hook(lambda *_, n=name: self.active.add(n)))
-                self.handles.append(m.register_forward_hook(lambda *_, n=name: self.active.discard(n)))
-
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage.data_ptr() not in self.params:
-            for name in self.active:
-                self.saved[name][storage.data_ptr()] = storage.nbytes()
-        return t  # kept alive by the graph, so its address is not reused by another saved tensor
-
-    def bytes(self) -> dict[str, int]:
-        for h in self.handles:
-            h.remove()
-        return {name: sum(s.values()) for name, s in self.saved.items()}
-
-
-def pad_to_multiple(mb: dict[str, torch.Tensor], multiple: int) -> dict[str, torch.Tensor]:
+def pad_to_multiple(mb: dict, multiple: int) -> dict:
     """Sequence parallelism splits the sequence into equal parts: right-pad to a multiple of the TP degree. The
     padding is masked out of attention (mask 0) and of the loss (label -100), so the step is unchanged."""
     extra = -mb["input_ids"].shape[1] % multiple
     if extra == 0:
         return mb
-    fill = {"input_ids": 0, "attention_mask": 0, "labels": -100}
-    return {k: F.pad(v, (0, extra), value=fill[k]) for k, v in mb.items()}
+    fill = {"input_ids": 0, "attention_mask": 0, "labels": -100}  # the [rows, seq] tensors; the rest is unchanged
+    return {k: F.pad(v, (0, extra), value=fill[k]) if k in fill else v for k, v in mb.items()}
 
 
 def main() -> None:
     args = parse_args()
     # ---- process group: one process per GPU; all of them form one tensor-parallel group.
-    if "LOCAL_RANK" not in os.environ:
-        raise run.RunError(
-            "launch this script with torchrun, one process per GPU:\n    uv run torchrun --nproc_per_node=2 "
-            + " ".join(sys.argv)
-        )
-    local_rank = int(os.environ["LOCAL_RANK"])
-    device = run.device_for(args, local_rank)
-    if device.type == "cpu":  # the ranks on this machine share its cores instead of each taking all of them
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    device = run.device_for(args, run.torchrun_local_rank())
+    run.share_cpu_cores(device)
+    # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
+    # collective meanwhile, where NCCL's 10-minute timeout would end the run.
+    models.fetch(args.model)
+    splits = data.load_splits(args.data, args.data_revision)
+    # NCCL moves CUDA tensors only; "cpu:gloo,cuda:nccl" gives a CPU tensor (a metric, a pickled object) a gloo
+    # route instead of an error, and device_id binds the NCCL communicator to this rank's GPU.
     if device.type == "cuda":
-        dist.init_process_group("nccl", device_id=device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
     rank, tp = dist.get_rank(), dist.get_world_size()
@@ -384,19 +335,9 @@ def main() -> None:
     dtype = run.torch_dtype(args.dtype)
     run_dir, _ = run.on_rank0(run.resolve_run_dir, args)
 
-    def print0(*text: str) -> None:
-        if rank == 0:
-            print(*text, flush=True)
-
     # ---- data: every rank builds the same global batches and runs all of them (rank 0 of a world of 1).
-    splits = data.load_splits(args.data, args.data_revision)
-    with run.rank0_first():
-        tokenizer = models.load_tokenizer(args.model, data.corpus(splits["train"]))
-    check_tp_degree(models.model_config(args.model, len(tokenizer)), tp)
-    formatter = data.ChatFormatter(tokenizer, args.max_length)
-    train_set, train_stats = formatter.encode_all(splits["train"])
-    val_set, _ = formatter.encode_all(splits["val"])
-    print0(f"train: {train_stats.describe()}")
+    tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
+    run.check_tp_degree(models.model_config(args.model, len(tokenizer)), tp)
     batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
     eval_batches = [
         pad_to_multiple(mb, tp) for mb in run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
@@ -419,7 +360,7 @@ def main() -> None:
     # norms are untouched: frozen, replicated, and (under SP) run on this rank's tokens.
     parallelize(model, tp, rank, group, args.sequence_parallel)
     counts = models.parameter_counts(model)
-    print0(f"parameters on this rank: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
+    run.print0(f"parameters on this rank: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
     replicated = replicated_lora(model)
     replicated_bytes = sum(p.numel() * p.element_size() for p in replicated)
 
@@ -428,21 +369,8 @@ def main() -> None:
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
 
     hardware = metrics.hardware(device, world_size=tp)
-    run.on_rank0(
-        run.init_run_dir,
-        run_dir,
-        args,
-        {
-            "args": run.args_dict(args),
-            "versions": metrics.versions(),
-            "hardware": hardware,
-            "data": train_stats.as_dict(),
-            "parameters": counts,
-            "accumulation_steps": accum,
-            "tensor_parallel": tp,
-        },
-        resume_step=None,
-    )
+    run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum, tensor_parallel=tp)
+    run.on_rank0(run.init_run_dir, run_dir, args, run_config, resume_step=None)
     log = metrics.MetricsLog(run_dir, rank=rank, total_steps=args.max_steps, progress=args.progress)
     peak = metrics.peak_flops(device)
     recorder = comm.CommRecorder(device)
@@ -454,136 +382,112 @@ def main() -> None:
     # so it saves less): what SP divides by the TP degree is the norms' part.
     layer = model.base_model.model.model.layers[1]
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
-    saved = SavedActivations(model, {"layer": [layer], "norms": norms})
+    saved = metrics.SavedActivations(model, {"layer": [layer], "norms": norms})
     measured_tokens = 0
 
     # ---- train
     model.train()
-    activation_elems = 0  # elements of the block-boundary activations, for the comm theory in the summary
-    for step in range(args.max_steps):
-        metrics.reset_peak_memory(device)
-        n_target = batches.n_target(step)  # the whole global batch's target tokens, on every rank
-        loss_sum = torch.zeros((), device=device)
-        seq_lens: list[int] = []
-        with metrics.StepTimer(device) as timer:
-            with comm.recording(recorder):  # the technique's traffic: the blocks' collectives + the LoRA sync
-                for mb in batches.micro_batches(step, args.micro_batch_size):
-                    mb = {k: v.to(device) for k, v in pad_to_multiple(mb, tp).items()}
-                    measure = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
-                    with contextlib.nullcontext() if measured_tokens else measure:
-                        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-                    if not measured_tokens:
-                        measured = saved.bytes()
-                        local_seq = mb["input_ids"].shape[1] // (tp if args.sequence_parallel else 1)
-                        measured_tokens = mb["input_ids"].shape[0] * local_seq
-                    loss = data.token_loss_sum(logits, mb["labels"]) / n_target
-                    loss.backward()  # the same loss on every rank: no scaling by the world size
-                    loss_sum += loss.detach()
-                    seq_lens += mb["attention_mask"].sum(1).tolist()
-                    activation_elems += mb["input_ids"].numel() * config.hidden_size
-                sync_replicated_grads(replicated, group)
-            if args.dump_grads and step == 0:
-                grads = full_lora(model, group, grads=True)
-                if rank == 0:
-                    safetensors.torch.save_file(grads, run_dir / "grads-step1.safetensors")
-            # The global gradient norm: replicated tensors count once, the sharded ones summed over ranks (one
-            # scalar all-reduce, outside the accounting like the metrics' own).
-            sharded = [p for p in trainable if all(p is not q for q in replicated)]
-            sq = norm_sq(sharded)
-            dist.all_reduce(sq, group=group)
-            grad_norm = (sq + norm_sq(replicated)).sqrt()
-            clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-            torch.nn.utils.clip_grads_with_norm_(trainable, clip, grad_norm)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-        step_comm = recorder.take()
-        flops = metrics.step_flops(seq_lens, config, n_lora)
-        row = {
-            "step": step + 1,
-            "loss": loss_sum.item(),  # every rank computed the whole batch's loss
-            "lr": scheduler.get_last_lr()[0],
-            "grad_norm": grad_norm.item(),
-            "target_tokens": n_target,
-            "tokens": sum(seq_lens),
-            "step_time_s": timer.seconds,
-            "tokens_per_s": sum(seq_lens) / timer.seconds,
-            "mfu": flops / (timer.seconds * peak * tp) if peak else None,
-            "comm": step_comm,
-            "activation_bytes": activation_elems * torch.finfo(dtype).bits // 8,
-            **metrics.peak_memory(device),
-        }
-        activation_elems = 0
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
-            sums = run.eval_loss_sums(model, eval_batches, device)  # the same on every rank
-            row["eval_loss"] = (sums[0] / sums[1]).item()
-        log.log(row)
+    profiler = StepProfiler(args.profile_steps, run_dir, device, rank)
+    with profiler:
+        for step in range(args.max_steps):
+            metrics.reset_peak_memory(device)
+            n_target = batches.n_target(step)  # the whole global batch's target tokens, on every rank
+            loss_sum = torch.zeros((), device=device)
+            activation_elems = 0  # elements of the block-boundary activations, for the comm theory
+            with metrics.StepTimer(device) as timer:
+                with comm.recording(recorder):  # the technique's traffic: the blocks' collectives + the LoRA sync
+                    for mb in batches.micro_batches(step, args.micro_batch_size):
+                        mb = data.to_device(pad_to_multiple(mb, tp), device)
+                        activation_elems += mb["input_ids"].numel() * config.hidden_size
+                        measure = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
+                        with contextlib.nullcontext() if measured_tokens else measure:
+                            # The lm_head runs on the answer positions only: the loss needs no other logits.
+                            out = model(
+                                input_ids=mb["input_ids"],
+                                attention_mask=mb["attention_mask"],
+                                logits_to_keep=mb["logit_positions"],
+                            )
+                        if not measured_tokens:
+                            measured = saved.bytes()
+                            local_seq = mb["input_ids"].shape[1] // (tp if args.sequence_parallel else 1)
+                            measured_tokens = mb["input_ids"].shape[0] * local_seq
+                        loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                        del out  # the logits are freed by backward, not kept alive into the next forward
+                        loss.backward()  # the same loss on every rank: no scaling by the world size
+                        loss_sum += loss.detach()
+                    sync_replicated_grads(replicated, group)
+                if args.dump_grads and step == 0:
+                    grads = full_lora(model, group, grads=True)
+                    if rank == 0:
+                        safetensors.torch.save_file(grads, run_dir / "grads-step1.safetensors")
+                # The global gradient norm: replicated tensors count once, the sharded ones summed over ranks (one
+                # scalar all-reduce, outside the accounting like the metrics' own).
+                sharded = [p for p in trainable if all(p is not q for q in replicated)]
+                sq = norm_sq(sharded)
+                dist.all_reduce(sq, group=group)
+                grad_norm = (sq + norm_sq(replicated)).sqrt()
+                clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+                torch.nn.utils.clip_grads_with_norm_(trainable, clip, grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+            # The step's one host sync: every device scalar the metrics need, copied together.
+            loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
+            step_comm = recorder.take()
+            row = metrics.step_row(
+                step=step + 1,
+                loss=loss_value,  # every rank computed the whole batch's loss
+                grad_norm=grad_norm,
+                lr=scheduler.get_last_lr()[0],
+                target_tokens=n_target,
+                lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
+                config=config,
+                n_lora=n_lora,
+                seconds=timer.seconds,
+                peak=peak,
+                devices=tp,
+                device=device,
+                comm=step_comm,
+                activation_bytes=activation_elems * dtype.itemsize,
+            )
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
+                sums = run.eval_loss_sums(model, eval_batches, device)  # the same on every rank
+                row["eval_loss"] = (sums[0] / sums[1]).item()
+            log.log(row)
+            profiler.step(step + 1)
     log.close()
 
     # ---- save: the shards reassembled into one stock PEFT adapter, and optionally the merged model
     adapter = full_lora(model, group)
     if args.dump_logits:
-        model.eval()
-        with torch.no_grad():
-            mb = {k: v.to(device) for k, v in eval_batches[0].items()}
-            logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-        if rank == 0:
-            torch.save({"batch": eval_batches[0], "logits": logits.cpu()}, run_dir / "logits.pt")
+        run.dump_logits(model, eval_batches[0], device, run_dir / "logits.pt", rank)
     if rank != 0:
         return
-    (run_dir / "adapter").mkdir(parents=True, exist_ok=True)
-    safetensors.torch.save_file(adapter, run_dir / "adapter" / "adapter_model.safetensors", metadata={"format": "pt"})
-    peft_config.save_pretrained(run_dir / "adapter")
+    run.save_adapter(run_dir / "adapter", adapter, peft_config)
     if args.merge:
         merge(args, run_dir, len(tokenizer), dtype)
-    shape = ModelShape.from_config(config)
-    predicted = predict(
-        shape,
-        technique="tp-sp" if args.sequence_parallel else "tp",
-        quant="none",
-        dtype=args.dtype,
-        world_size=tp,
-        lora_rank=args.lora_rank,
-        micro_batch_size=args.micro_batch_size,
-        seq_len=args.max_length,
-        grad_checkpointing=args.grad_checkpointing,
-    ).as_dict()
-    summary = {
-        "status": "completed",
-        "run_dir": str(run_dir),
-        "config": run.args_dict(args),
-        "versions": metrics.versions(),
-        "hardware": hardware,
-        "data": train_stats.as_dict(),
-        "parameters": counts,
-        "accumulation_steps": accum,
-        "tensor_parallel": tp,
-        "sequence_parallel": args.sequence_parallel,
-        **log.summary(),
+    summary = metrics.run_summary(
+        run_config,
+        log,
+        run_dir=run_dir,
+        last_step=args.max_steps,
+        peak=peak,
+        predicted=metrics.predicted_memory(config, args, "tp-sp" if args.sequence_parallel else "tp", world_size=tp),
+        note=metrics.memory_note(device),
+        sequence_parallel=args.sequence_parallel,
         # Theory per optimizer step: each decoder layer's two blocks enter with f (all-reduce in backward) or the
         # SP all-gather (reduce-scatter in backward) and leave with g (all-reduce in forward) or the SP
         # reduce-scatter (all-gather in backward), each on one activation [micro, seq, hidden]
         # (`activation_bytes` per step in the metrics: summed over micro-batches); checkpointing repeats the
         # forward ones in backward. Plus one all-reduce of the replicated LoRA gradients.
-        "replicated_lora_grad_bytes": replicated_bytes,
+        replicated_lora_grad_bytes=replicated_bytes,
         **comm.summarize(log.rows),
-        "comm_note": "per optimizer step, every torch.distributed collective inside the step (ftkit/comm.py): "
+        comm_note="per optimizer step, every torch.distributed collective inside the step (ftkit/comm.py): "
         "bytes of the whole buffer (all-reduce tensor, all-gather output, reduce-scatter input); the metrics' "
         "own reductions and the adapter reassembly are not counted",
-        "mfu_convention": metrics.MFU_CONVENTION,
-        "peak_flops": peak,
-        "memory_predicted": predicted,
         # Layer 1 on rank 0, first micro-batch: `tokens` is what this rank's norms and residual stream hold.
-        "activations_measured": {**measured, "tokens": measured_tokens},
-        "memory_note": "predicted: the memory model (ftkit/memory.py) at micro-batch x --max-length; measured on "
-        "rank 0: "
-        + (
-            "CUDA peak allocated"
-            if device.type == "cuda"
-            else "process peak RSS, which also counts Python, "
-            "libraries and data, so it is not comparable with the model's GPU bytes"
-        ),
-    }
+        activations_measured={**measured, "tokens": measured_tokens},
+    )
     run.write_summary(run_dir, summary)
     print(f"run directory: {run_dir}\nadapter: {run_dir / 'adapter'}")
 
@@ -602,15 +506,4 @@ def merge(args, run_dir, vocab_size: int, dtype: torch.dtype) -> None:
 
 
 if __name__ == "__main__":
-    code = 0
-    try:
-        main()
-    except (run.RunError, data.DataError, run.CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        code = 2
-    # Leave without running the C++ static destructors (with gloo about 1 launch in 10 otherwise aborts at exit).
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    run.launch(main)

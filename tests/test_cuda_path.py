@@ -1,0 +1,142 @@
+"""The CUDA + NCCL path, checked on a machine without a GPU: each distributed train.py is run in this process as
+rank 0 and rank 1 of 2, with what it touches faked - `torch.cuda` reports a GPU, the process-group constructor
+is captured (and a fake group, which sends nothing, stands in), flash-attn is importable - up to the moment it
+builds the model. What the scripts decide on the way is what a GPU run would do:
+
+- the process group has both backends, "cpu:gloo,cuda:nccl", bound to the rank's GPU: a CPU tensor in a
+  collective (a metric, a pickled object) takes gloo instead of crashing NCCL;
+- the model and the data are fetched before the group exists (a first run downloads ~8 GB; ranks waiting in a
+  collective meanwhile would hit NCCL's timeout);
+- every rank builds the model with the same attention kernel, whatever device it builds it on (fsdp-ft's rank 0
+  builds on the CPU, the others on the meta device), and flash-attention is refused for fp32.
+"""
+
+from __future__ import annotations
+
+import runpy
+import sys
+import types
+
+import pytest
+import torch
+import torch.distributed as dist
+from conftest import ROOT
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from ftkit import data, models, run
+
+SCRIPTS = ["ddp-ft", "fsdp-ft", "tp-ft", "tp-sp-ft", "pp-ft"]
+WORLD = 2
+# The real functions, before any test patches them.
+REAL = {"init_process_group": dist.init_process_group, "fetch": models.fetch, "load_splits": data.load_splits}
+
+
+class Reached(Exception):
+    """Raised where the script builds its model: everything before it ran as it would on a GPU."""
+
+
+def run_rank(script: str, rank: int, flags: list[str], monkeypatch) -> dict:
+    """Run experiments/<script>/train.py's main() as `rank` of WORLD with CUDA faked; what it did, in order."""
+    seen: dict = {"order": [], "load_model": []}
+    env = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": WORLD, "LOCAL_WORLD_SIZE": WORLD, "MASTER_PORT": 1}
+    for key, value in {**env, "MASTER_ADDR": "localhost"}.items():
+        monkeypatch.setenv(key, str(value))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+
+    def init_process_group(backend=None, **kwargs):
+        seen["order"].append("init_process_group")
+        seen["backend"], seen["device_id"] = backend, kwargs.get("device_id")
+        REAL["init_process_group"](backend="fake", store=FakeStore(), rank=rank, world_size=WORLD)
+
+    def traced(name: str):
+        def call(*args, **kwargs):
+            seen["order"].append(name)
+            return REAL[name](*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(dist, "init_process_group", init_process_group)
+    monkeypatch.setattr(models, "fetch", traced("fetch"))
+    monkeypatch.setattr(data, "load_splits", traced("load_splits"))
+    # The fake group carries no data, so rank 0's broadcast of the run directory cannot reach rank 1: each rank
+    # computes it itself here (nothing is written before the model is built).
+    monkeypatch.setattr(run, "on_rank0", lambda fn, *a, **k: fn(*a, **k))
+
+    def load_model(*args, **kwargs):
+        # The kernel the real load_model would use: the one passed, else the choice for the device it builds on.
+        attn = kwargs.get("attn") or models.attention_implementation(kwargs["device"], kwargs["dtype"])
+        seen["load_model"].append({**kwargs, "attn": attn})
+        raise Reached
+
+    monkeypatch.setattr(models, "load_model", load_model)
+    monkeypatch.setattr(sys, "argv", [f"experiments/{script}/train.py", *flags])
+    main = runpy.run_path(str(ROOT / "experiments" / script / "train.py"))["main"]
+    try:
+        with pytest.raises(Reached):
+            main()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return seen
+
+
+def flags(tmp_path, *extra: str) -> list[str]:
+    # The real scale's defaults (no --smoke), on Qwen3-4B's exact shape, so nothing is downloaded; the shipped
+    # sample data, since no choice checked here depends on the data and its tokenizer trains in a moment.
+    model = ["--model", "qwen3-4b-shape", "--data", str(data.SAMPLE_DATA), "--max-length", "512"]
+    return [*model, "--output-dir", str(tmp_path / "run"), *extra]
+
+
+@pytest.fixture
+def flash_attn_installed(monkeypatch):
+    monkeypatch.setattr(models, "flash_attn_installed", lambda: True)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.usefixtures("flash_attn_installed")
+def test_every_rank_starts_both_backends_and_the_same_attention(script, tmp_path, monkeypatch):
+    ranks = [run_rank(script, rank, flags(tmp_path), monkeypatch) for rank in range(WORLD)]
+    for rank, seen in enumerate(ranks):
+        assert seen["backend"] == "cpu:gloo,cuda:nccl"
+        assert seen["device_id"] == torch.device("cuda", rank)
+        assert seen["order"][:3] == ["fetch", "load_splits", "init_process_group"]
+        assert len(seen["load_model"]) == 1
+    attn = [seen["load_model"][0]["attn"] for seen in ranks]
+    devices = [seen["load_model"][0]["device"] for seen in ranks]
+    print(f"{script}: attention {attn}, built on {devices}")
+    assert attn == ["flash_attention_2"] * WORLD
+    if script == "fsdp-ft":  # rank 0 holds the real weights in host memory, the others only shapes
+        assert [d.type for d in devices] == ["cpu", "meta"]
+
+
+@pytest.mark.parametrize("script", ["fsdp-ft", "ddp-ft"])
+@pytest.mark.usefixtures("flash_attn_installed")
+def test_flash_attention_is_refused_for_fp32(script, tmp_path, monkeypatch, capsys):
+    ranks = [run_rank(script, r, flags(tmp_path, "--dtype", "fp32"), monkeypatch) for r in range(WORLD)]
+    assert [seen["load_model"][0]["attn"] for seen in ranks] == ["sdpa", "sdpa"]
+    assert "flash-attention runs bf16/fp16 only" in capsys.readouterr().out
+
+
+@pytest.mark.usefixtures("flash_attn_installed")
+def test_attention_choice_depends_on_the_training_device_only(monkeypatch):
+    cuda, cpu = torch.device("cuda", 1), torch.device("cpu")
+    assert models.attention_implementation(cuda, torch.bfloat16) == "flash_attention_2"
+    assert models.attention_implementation(cuda, torch.float32) == "sdpa"
+    assert models.attention_implementation(cpu, torch.bfloat16) == "sdpa"
+    monkeypatch.setattr(models, "flash_attn_installed", lambda: False)
+    assert models.attention_implementation(cuda, torch.bfloat16) == "sdpa"
+
+
+def test_no_gpu_message_says_why_and_gives_the_smoke_command(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(sys, "argv", ["experiments/ddp-ft/train.py", "--max-steps", "5"])
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setattr("ftkit.gpu.explain_no_cuda", lambda: "DRIVER-TOO-OLD")
+    args = types.SimpleNamespace(smoke=False)
+    with pytest.raises(run.RunError) as e:
+        run.device_for(args)
+    message = str(e.value)
+    assert "DRIVER-TOO-OLD" in message
+    assert "uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --max-steps 5 --smoke" in message
+    assert "../shared" not in message
