@@ -23,13 +23,16 @@ from ftkit.memory import (
     zero_bytes,
 )  # noqa: E402
 
-# The setting of every bar unless its label says otherwise; lora_dropout is the real runs' default.
+# The setting of every bar unless its label says otherwise; lora_dropout is the real runs' default. Logits are
+# counted at every position (the memory model's default, an upper bound): the scripts compute them at the
+# answer positions only, whose number depends on the data.
 COMMON = dict(seq_len=2048, micro_batch_size=1, lora_rank=16, lora_dropout=0.05, grad_checkpointing=True)
 CONFIGS: list[tuple[str, dict]] = [
     ("Full finetune, bf16 + AdamW, 1 GPU", dict(full_finetune=True)),
     ("LoRA, bf16 base, 1 GPU", dict(quant="none")),
     ("QLoRA, NF4 base, 1 GPU", dict(quant="nf4")),
     ("QLoRA, NF4, 1 GPU, no checkpointing", dict(quant="nf4", grad_checkpointing=False)),
+    ("QLoRA, NF4, 1 GPU, peft's fp32 upcast", dict(quant="nf4", kbit_upcast=True)),
     ("QLoRA + DDP, 2 GPUs", dict(quant="nf4", technique="ddp", world_size=2)),
     ("FSDP LoRA bf16, 2 GPUs", dict(technique="fsdp", world_size=2)),
     ("FSDP LoRA bf16, 8 GPUs", dict(technique="fsdp", world_size=8)),
@@ -86,7 +89,7 @@ def plot(rows: list[tuple[str, MemoryPrediction]], path: Path) -> None:
     ax.set_title(
         "Qwen3-4B finetuning, per-GPU memory: memory model (predicted), not measured\n"
         "seq 2048, micro-batch 1, LoRA r=16 (dropout 0.05) on all 7 projections,\n"
-        "activation checkpointing on unless noted",
+        "activation checkpointing on unless noted; logits at every position (an upper bound)",
         fontsize=10,
         loc="left",
     )
@@ -124,6 +127,8 @@ def main() -> None:
     for stream, act in (("bf16", 2), ("fp32", 4)):
         logits = (act + 4) * vocab * seq / GIB
         print(f"logits + fp32 log-softmax, {stream} stream: ({act}+4) B x {vocab:,} x {seq} = {logits:.2f} GiB")
+    per_position = (2 + 4) * vocab / 2**20
+    print(f"the same per position the lm_head runs on, bf16 stream: (2+4) B x {vocab:,} = {per_position:.2f} MiB")
     zero = [zero_bytes(7.5e9, k=12, n_d=64, stage=s) / 1e9 for s in range(4)]
     print("ZeRO Fig. 1 (psi = 7.5e9, K = 12, N_d = 64), GB:", ", ".join(f"{z:.1f}" for z in zero))
 
