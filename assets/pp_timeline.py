@@ -1,4 +1,5 @@
-"""The pipeline schedule as it ran: one row per rank, a box per forward (F) and backward (B) of each micro-batch,
+"""The pipeline schedule as it ran: one row per rank, a box per forward (F), loss (L, the last stage's lm_head and
+cross-entropy) and backward (B) of each micro-batch,
 from a run's timeline.json (the last training step's actions, timed by experiments/pp-ft/train.py); the white
 gaps are the bubble. With --devlog, also the measured-vs-theory bubble table of the --table runs, written between
 the `<!-- bubble:begin -->` and `<!-- bubble:end -->` markers of the devlog.
@@ -18,7 +19,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"F": "#4C72B0", "B": "#DD8452"}
+COLORS = {"F": "#4C72B0", "L": "#55A868", "B": "#DD8452"}  # forward, loss (last stage), backward
 
 
 def bubble_table(runs: list[Path]) -> str:
@@ -101,7 +102,7 @@ def main() -> None:
     hw = json.loads((args.runs[0] / "summary.json").read_text())["hardware"]
     fig.suptitle(
         f"Pipeline schedules as measured: tiny Qwen3 on CPU ({hw['cpu_count']} cores, gloo); F forward, "
-        "B backward (darker: a rank's first stage)",
+        "L loss, B backward (darker: a rank's first stage)",
         fontsize=10,
     )
     fig.tight_layout()

@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 MFU_CONVENTION = (
     "model FLOPs per real token = 4*N_frozen + 6*N_lora + 6*layers*heads*head_dim*seq_len (causal attention, "
@@ -157,30 +156,41 @@ def versions() -> dict:
     return out
 
 
-class HostSyncCounter(TorchFunctionMode):
+class HostSyncCounter:
     """Counts the calls, made from this project's own code (experiments/ and ftkit/), that copy a tensor's value to
     the host: .item(), .tolist(), bool(), float(), int(). On CUDA each one makes the host wait for the GPU to
     finish everything queued before it, so one inside the micro-batch loop stalls the pipeline of kernel launches.
     On CPU nothing waits, but the calls are the same: counting them there is how the tests keep the GPU path to
-    at most one wait per optimizer step. Library code (transformers, peft, torch) is not counted."""
+    at most one wait per optimizer step. Library code (transformers, peft, torch) is not counted.
 
-    CALLS = {
-        torch.Tensor.item,
-        torch.Tensor.tolist,
-        torch.Tensor.__bool__,
-        torch.Tensor.__float__,
-        torch.Tensor.__int__,
-    }
+    While active it wraps those five methods on torch.Tensor (not every op, as a TorchFunctionMode would, so a
+    counted run is not slowed down)."""
+
+    NAMES = ("item", "tolist", "__bool__", "__float__", "__int__")
     OURS = (str(Path(__file__).resolve().parent), str(Path(__file__).resolve().parents[1] / "experiments"))
 
     def __init__(self):
-        super().__init__()
         self.count = 0
+        self._originals: dict[str, object] = {}
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in self.CALLS and sys._getframe(1).f_code.co_filename.startswith(self.OURS):
-            self.count += 1
-        return func(*args, **(kwargs or {}))
+    def _wrap(self, method):
+        def counted(tensor, *args, **kwargs):
+            if sys._getframe(1).f_code.co_filename.startswith(self.OURS):
+                self.count += 1
+            return method(tensor, *args, **kwargs)
+
+        return counted
+
+    def __enter__(self):
+        for name in self.NAMES:
+            self._originals[name] = getattr(torch.Tensor, name)
+            setattr(torch.Tensor, name, self._wrap(self._originals[name]))
+        return self
+
+    def __exit__(self, *exc):
+        for name, method in self._originals.items():
+            setattr(torch.Tensor, name, method)
+        self._originals.clear()
 
 
 class MetricsLog:
@@ -373,10 +383,11 @@ class SavedActivations:
 
 
 class ActionTimer:
-    """The pipeline bubble's clock (experiments/pp-ft): start and end of every forward (F) and backward (B) that a
-    rank's `torch.distributed.pipelining` stages run inside the schedule. The schedule calls each stage's
-    forward_one_chunk / backward_one_chunk once per micro-batch, so wrapping those two methods times each compute
-    action, and the rest of the step is waiting (the bubble) or point-to-point transfer.
+    """The pipeline bubble's clock (experiments/pp-ft): start and end of every forward (F), loss (L) and backward
+    (B) that a rank's `torch.distributed.pipelining` stages run inside the schedule. The schedule calls each
+    stage's forward_one_chunk / backward_one_chunk once per micro-batch, and the loss function once per
+    micro-batch on the last stage (between the two, outside both), so wrapping those times each compute action,
+    and the rest of the step is waiting (the bubble) or point-to-point transfer.
 
     On CPU the marks are wall-clock. On CUDA the host only queues the kernels, so a wall-clock would time the
     launches: the marks are CUDA events on the compute stream (recorded after the stream was made to wait for the
@@ -403,6 +414,19 @@ class ActionTimer:
                 return fn(chunk_id, *args, **kwargs)
             finally:
                 self.marks.append((stage, kind, chunk_id, start, self._now()))
+
+        return timed
+
+    def timed_loss(self, loss_fn, stage: int):
+        """`loss_fn` (the last stage's lm_head and cross-entropy, run by the schedule) timed as compute."""
+
+        def timed(*args, **kwargs):
+            start = self._now()
+            try:
+                return loss_fn(*args, **kwargs)
+            finally:
+                losses = sum(kind == "L" for _, kind, *_ in self.marks)
+                self.marks.append((stage, "L", losses, start, self._now()))
 
         return timed
 

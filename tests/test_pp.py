@@ -135,12 +135,15 @@ def test_bubble_is_recorded_and_shrinks_with_more_microbatches(gpipe, one_f_one_
 
 
 def test_timeline_has_every_action(interleaved):
-    """The last step's forward and backward of every micro-batch on every stage, per rank (for the figure)."""
+    """The last step's forward and backward of every micro-batch on every stage, and the loss of every micro-batch
+    on the last stage (3, on rank 1), per rank (for the figure)."""
     timeline = json.loads((interleaved.run_dir / "timeline.json").read_text())
     assert timeline["ranks"] == 2 and timeline["stages"] == 4
     for rank, events in enumerate(timeline["events"]):
         actions = sorted((stage, kind, mb) for stage, kind, mb, _, _ in events)
-        assert actions == sorted((s, k, mb) for s in (rank, rank + 2) for k in "FB" for mb in range(4))
+        expected = [(s, k, mb) for s in (rank, rank + 2) for k in "FB" for mb in range(4)]
+        expected += [(3, "L", mb) for mb in range(4)] if rank == 1 else []
+        assert actions == sorted(expected)
         assert all(0 <= start <= end for *_, start, end in events)
 
 

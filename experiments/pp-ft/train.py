@@ -221,14 +221,15 @@ def main() -> None:
         logits = modules[-1].logits(hidden, target[:, 0])
         return data.token_loss_sum(logits, target[:, 1]) / denominator[0]
 
+    # The bubble's clock: every forward, loss and backward the schedule runs on this rank, timed as compute.
+    timer_actions = metrics.ActionTimer(stages, device)
     schedule_cls = SCHEDULES[args.schedule]
     schedule = schedule_cls(
         stages if args.schedule == "interleaved-1f1b" else stages[0],
         n_microbatches=accum,
-        loss_fn=loss_fn,
+        loss_fn=timer_actions.timed_loss(loss_fn, n_stages - 1),
         scale_grads=False,
     )
-    timer_actions = metrics.ActionTimer(stages, device)
     recorder = comm.CommRecorder(device)
     comm.record_stage_sends(stages, recorder)
 
@@ -368,7 +369,7 @@ def main() -> None:
             loss = torch.stack(losses).detach().sum() if has_last else torch.zeros((), device=device)
             dist.broadcast(loss, src=last_rank)
             loss, grad_norm = torch.stack([loss, grad_norm]).tolist()
-            # Busy = inside a stage's forward or backward; idle = the rest of the schedule's run (waiting,
+            # Busy = inside a stage's forward, loss or backward; idle = the rest of the schedule's run (waiting,
             # transfers). Python numbers from every rank: an object collective, over gloo on CUDA too.
             step_events, busy, pipe_time = timer_actions.read()
             every = [None] * world
@@ -448,7 +449,7 @@ def main() -> None:
         if rows
         else None,
         bubble_theory=(p - 1) / (v * m + p - 1),
-        bubble_note="per rank and step: 1 - (time inside the stages' forward/backward) / (time inside "
+        bubble_note="per rank and step: 1 - (time inside the stages' forward/loss/backward) / (time inside "
         "schedule.step), timed with CUDA events on GPUs, wall-clock on CPU; the mean over steps and ranks. "
         "Idle time includes point-to-point transfers and the schedule's own Python work, which the theory counts "
         "as zero",
