@@ -409,8 +409,23 @@ def read_checkpoint_state(ckpt: Path, required: tuple[str, ...]) -> dict:
 
 
 def load_torch(path: Path, **kwargs):
+    """A checkpoint file (optimizer, scheduler, RNG state) as data: `weights_only=True` unpickles tensors, numbers,
+    strings and containers only, so a checkpoint from elsewhere cannot run code when it is loaded."""
+    import pickle
+
     try:
-        return torch.load(path, weights_only=False, **kwargs)
+        return torch.load(path, weights_only=True, **kwargs)
+    except pickle.UnpicklingError as e:
+        # torch names the global (a class or function) it refused to import; damaged bytes name none.
+        refused = [line.strip() for line in str(e).splitlines() if "GLOBAL" in line]
+        if not refused:
+            detail = next((line for line in str(e).splitlines() if "Unsupported" in line), "not a torch.save file")
+            raise CheckpointError(f"{path}: corrupt or unreadable ({detail.strip()})") from e
+        raise CheckpointError(
+            f"{path}: refused, it holds objects other than tensors and plain data, which unpickling could run as "
+            "code; this project's checkpoints hold only tensors, numbers and containers, so it was not written "
+            f"by it (or was altered). Resume from another checkpoint. ({refused[0][:200]})"
+        ) from e
     except Exception as e:
         raise CheckpointError(f"{path}: corrupt or unreadable ({type(e).__name__}: {e})") from e
 
