@@ -181,6 +181,7 @@ def main() -> None:
             metrics.reset_peak_memory(device)
             n_target = batches.n_target(step)  # the whole global batch's target tokens, on every rank
             loss_sum = torch.zeros((), device=device)
+            activation_elems = 0  # elements of the block-boundary activations, for the comm theory
             evals = (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps
             # DTensor redistributes through functional collectives, which `comm.recording` cannot see; the
             # dispatch mode that does costs Python work on every op, so it runs on sampled steps only.
@@ -189,6 +190,7 @@ def main() -> None:
                 with comm.recording_functional(recorder) if sampled else contextlib.nullcontext():
                     for mb in batches.micro_batches(step, args.micro_batch_size):
                         mb = data.to_device(mb, device)
+                        activation_elems += mb["input_ids"].numel() * config.hidden_size
                         try:
                             # The lm_head runs on the answer positions only: the loss needs no other logits.
                             out = model(
@@ -228,7 +230,6 @@ def main() -> None:
             # The step's one host sync: every device scalar the metrics need, copied together.
             loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
             step_comm = recorder.take()
-            micro_elems = [mb["input_ids"].numel() for mb in batches.micro_batches(step, args.micro_batch_size)]
             row = metrics.step_row(
                 step=step + 1,
                 loss=loss_value,  # every rank computed the whole batch's loss
@@ -243,7 +244,7 @@ def main() -> None:
                 devices=tp,
                 device=device,
                 # the block-boundary activations [micro, seq, hidden] of the step, for the comm theory
-                activation_bytes=sum(micro_elems) * config.hidden_size * dtype.itemsize,
+                activation_bytes=activation_elems * dtype.itemsize,
                 **({"comm": step_comm} if sampled else {}),
             )
             if evals:
