@@ -11,7 +11,7 @@
 # to train has its error kept in devlogs/runs/ddp-ft-failures/<name>.txt instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DATA=${1:-../shared/data/qmsum-ami}
+DATA=${1:-qmsum-ami}  # the AMI meetings the package ships
 PY=${PYTHON:-uv run python}
 REPEATS=${REPEATS:-3}
 START_PASS=${START_PASS:-1}

@@ -107,9 +107,14 @@ def tables(summaries: dict[str, dict], firsts: dict[str, float | None]) -> str:
         for n in names:
             flines.append("| " + " | ".join([f"`{n}`", *[fmt(summaries[n]["config"].get(k)) for k in flags]]) + " |")
         out += "\n\nFlags that differ between these runs:\n\n" + "\n".join(flines)
-    s0 = summaries[names[0]]
-    versions = ", ".join(f"{k} {v}" for k, v in s0["versions"].items())
-    out += f"\n\nSoftware (`{names[0]}`): {versions}. Platform: {s0['hardware']['platform']}."
+    # One line per distinct software + platform: runs measured on other machines say so.
+    setups: dict[str, list[str]] = {}
+    for n in names:
+        s = summaries[n]
+        versions = ", ".join(f"{k} {v}" for k, v in s["versions"].items())
+        setups.setdefault(f"{versions}. Platform: {s['hardware']['platform']}.", []).append(f"`{n}`")
+    for setup, runs in setups.items():
+        out += f"\n\nSoftware ({'every run' if len(setups) == 1 else ', '.join(runs)}): {setup}"
     return out
 
 

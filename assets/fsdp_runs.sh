@@ -7,7 +7,7 @@
 # script refuses has its error kept in devlogs/runs/fsdp-ft-failures/<name>.txt instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DATA=${1:-../shared/data/qmsum-ami}
+DATA=${1:-qmsum-ami}  # the AMI meetings the package ships
 PY=${PYTHON:-uv run python}
 STAMP=$(date +%Y%m%d-%H%M%S)
 

@@ -5,7 +5,7 @@
 # Each run's summary.json, metrics.jsonl and timeline.json go to devlogs/runs/pp-ft/<name>/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DATA=${1:-../shared/data/qmsum-ami}
+DATA=${1:-qmsum-ami}  # the AMI meetings the package ships
 PY=${PYTHON:-uv run python}
 STAMP=$(date +%Y%m%d-%H%M%S)
 

@@ -6,7 +6,7 @@
 # devlogs/runs/single-gpu-ft/<name>/, replacing that name's previous measurement.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DATA=${1:-../shared/data/qmsum-ami}
+DATA=${1:-qmsum-ami}  # the AMI meetings the package ships
 DEST=devlogs/runs/single-gpu-ft
 STAMP=$(date +%Y%m%d-%H%M%S)
 

@@ -7,7 +7,7 @@
 # the same flags at --max-length 512. The naive plan's error is kept in devlogs/runs/tp-sp-ft-failures/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-DATA=${1:-../shared/data/qmsum-ami}
+DATA=${1:-qmsum-ami}  # the AMI meetings the package ships
 PY=${PYTHON:-uv run python}
 STAMP=$(date +%Y%m%d-%H%M%S)
 # The --smoke defaults (tiny Qwen3, fp32, LoRA rank 16, global batch 8, micro-batch 2, max length 512), 10 steps,

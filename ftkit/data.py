@@ -1,8 +1,9 @@
 """AMI meeting data: loading, splitting by meeting, Qwen3 chat formatting, masking, trimming and batching.
 
 Two sources give the same `Example`s:
-- a QMSum-format folder (`train/ val/ test/` of per-meeting JSON; QMSum, Zhong et al. 2021, arXiv 2104.05938),
-  which yields span-level query -> answer pairs and the whole-meeting summary;
+- a QMSum-format folder (`train/ val/ test/` of per-meeting JSON, plain or gzipped; QMSum, Zhong et al. 2021,
+  arXiv 2104.05938), which yields span-level query -> answer pairs and the whole-meeting summary. The package
+  ships QMSum's 137 AMI meetings in this format (`ftkit/qmsum-ami/`, named `qmsum-ami`), the default data;
 - a Hugging Face hub dataset of whole-meeting (transcript, summary) rows, read through `datasets`.
 
 Batches are a pure function of (seed, step): every rank computes the same global batch and takes its own
@@ -11,10 +12,13 @@ slice, so the global batch is the same for any number of ranks and a resumed run
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
 import random
+import zlib
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,7 +29,10 @@ SPLITS = ("train", "val", "test")
 IGNORE_INDEX = -100
 # The smallest transcript (in tokens) an example may be trimmed to before it is dropped instead.
 MIN_TRANSCRIPT_TOKENS = 32
-SAMPLE_DATA = Path(__file__).parent / "sample_data" / "qmsum-synthetic"
+# QMSum's AMI meetings, shipped in the package (see its README for provenance and licenses): `--data qmsum-ami`.
+SHIPPED = "qmsum-ami"
+SHIPPED_DIR = Path(__file__).parent / "qmsum-ami"
+MEETING_SUFFIXES = (".json", ".json.gz")
 
 
 class DataError(ValueError):
@@ -51,13 +58,21 @@ def _turns_text(turns: Sequence[dict]) -> str:
     return "\n".join(f"{t['speaker']}: {t['content'].strip()}" for t in turns)
 
 
+def meeting_id(path: Path) -> str:
+    """`ES2002a` for `ES2002a.json` and `ES2002a.json.gz`."""
+    return path.name.removesuffix(".gz").removesuffix(".json")
+
+
 def read_meeting_file(path: str | os.PathLike) -> list[Example]:
-    """Examples of one QMSum meeting file; a malformed file raises DataError naming the file and the field."""
+    """Examples of one QMSum meeting file (`.json`, or `.json.gz` as shipped); a malformed file raises DataError
+    naming the file and the field."""
     path = Path(path)
+    mid = meeting_id(path)
     try:
-        meeting = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise DataError(f"{path}: not a readable JSON meeting file ({e})") from e
+        raw = path.read_bytes()
+        meeting = json.loads((gzip.decompress(raw) if path.name.endswith(".gz") else raw).decode("utf-8"))
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path}: not a readable JSON meeting file ({type(e).__name__}: {e})") from e
     try:
         turns = meeting["meeting_transcripts"]
         if not isinstance(turns, list) or not turns:
@@ -73,12 +88,10 @@ def read_meeting_file(path: str | os.PathLike) -> list[Example]:
                 if not 0 <= a <= b < len(turns):
                     raise DataError(f"{path}: span [{start}, {end}] outside the {len(turns)} turns")
                 spans.append(_turns_text(turns[a : b + 1]))
-            examples.append(Example(path.stem, "span", q["query"].strip(), "\n...\n".join(spans), q["answer"].strip()))
+            examples.append(Example(mid, "span", q["query"].strip(), "\n...\n".join(spans), q["answer"].strip()))
         whole = _turns_text(turns)
         for q in meeting.get("general_query_list", []):
-            examples.append(
-                Example(path.stem, "meeting", q["query"].strip(), whole, q["answer"].strip(), trimmable=False)
-            )
+            examples.append(Example(mid, "meeting", q["query"].strip(), whole, q["answer"].strip(), trimmable=False))
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         if isinstance(e, DataError):
             raise
@@ -89,21 +102,26 @@ def read_meeting_file(path: str | os.PathLike) -> list[Example]:
 
 
 def load_qmsum_folder(root: str | os.PathLike) -> dict[str, list[Example]]:
-    """`root/{train,val,test}/*.json`; QMSum's own split is by meeting, and that is checked."""
+    """`root/{train,val,test}/*.json` (or `*.json.gz`); QMSum's own split is by meeting, and that is checked."""
     root = Path(root)
     if not root.is_dir():
         raise DataError(
-            f"data folder {root} does not exist. Pass --data with a QMSum-format folder "
-            "(train/ val/ test/ of meeting JSON, e.g. a clone of QMSum's data/Product) or a hub dataset id."
+            f"data folder {root} does not exist. Leave --data out for the AMI meetings the package ships "
+            f"({SHIPPED}), or pass a QMSum-format folder (train/ val/ test/ of meeting JSON, e.g. a clone of "
+            "QMSum's data/Product) or a hub dataset id (owner/name)."
         )
     missing = [s for s in SPLITS if not (root / s).is_dir()]
     if missing:
         raise DataError(f"data folder {root} has no {'/, '.join(missing)}/ subfolder: expected train/ val/ test/")
     splits = {}
     for split in SPLITS:
-        files = sorted((root / split).glob("*.json"))
+        files = sorted(f for f in (root / split).iterdir() if f.name.endswith(MEETING_SUFFIXES))
         if not files:
-            raise DataError(f"{root / split} holds no meeting .json files")
+            raise DataError(f"{root / split} holds no meeting .json (or .json.gz) files")
+        # e.g. after `gunzip -k` beside the shipped files: those meetings would be counted twice.
+        twice = sorted(i for i, n in Counter(meeting_id(f) for f in files).items() if n > 1)
+        if twice:
+            raise DataError(f"{root / split}: meeting(s) {', '.join(twice)} found as both .json and .json.gz")
         splits[split] = [ex for f in files for ex in read_meeting_file(f)]
     check_split_by_meeting(splits)
     return splits
@@ -163,8 +181,9 @@ def hub_dataset_to_splits(dataset_dict, source: str) -> dict[str, list[Example]]
 
 
 def load_hub(dataset_id: str, revision: str | None = None) -> dict[str, list[Example]]:
-    """AMI from the hub, e.g. `TalTechNLP/AMIsum` with revision `refs/convert/parquet`, or the gated
-    `knkarthick/AMI` (set HF_TOKEN); `owner/name:config` picks a config. Needs network access to the hub."""
+    """AMI from the hub, e.g. `TalTechNLP/AMIsum` with revision `refs/convert/parquet` (its main branch holds a
+    loading script, which `datasets` no longer runs) or `knkarthick/AMI` (public); `owner/name:config` picks a
+    config. HF_TOKEN, where set, is passed on (for a private or gated copy). Needs network access to the hub."""
     import datasets
 
     name, _, config = dataset_id.partition(":")
@@ -173,14 +192,17 @@ def load_hub(dataset_id: str, revision: str | None = None) -> dict[str, list[Exa
     except Exception as e:
         raise DataError(
             f"could not load hub dataset {dataset_id!r} (revision {revision}): {type(e).__name__}: {e}. "
-            "Without hub access, pass --data with a local QMSum-format folder."
+            f"Without hub access, leave --data out for the AMI meetings the package ships ({SHIPPED}), "
+            "or pass a local QMSum-format folder."
         ) from e
     return hub_dataset_to_splits(dd, dataset_id)
 
 
 def load_splits(data: str, revision: str | None = None) -> dict[str, list[Example]]:
-    """`data` is a local folder (QMSum format) or, if no such path exists and it looks like `owner/name`,
-    a hub dataset id."""
+    """`data` is `qmsum-ami` (the shipped meetings), a local folder (QMSum format) or, if no such path exists and it
+    looks like `owner/name`, a hub dataset id."""
+    if data == SHIPPED:  # the name, wherever the command runs; a local folder of that name is `./qmsum-ami`
+        return load_qmsum_folder(SHIPPED_DIR)
     path = Path(data).expanduser()
     if path.exists() or data.startswith((".", "/", "~")) or data.partition(":")[0].count("/") != 1:
         return load_qmsum_folder(path)

@@ -20,11 +20,14 @@ from pathlib import Path
 
 import torch
 
-from ftkit.data import SAMPLE_DATA
+from ftkit.data import SHIPPED
 from ftkit.profiling import parse_profile_steps
 
-DEFAULT_DATA = "TalTechNLP/AMIsum"
-DEFAULT_DATA_REVISION = "refs/convert/parquet"
+# The AMI meetings the package ships, offline, for the real runs and the walkthrough alike.
+DEFAULT_DATA = SHIPPED
+# Hub datasets read from a revision other than their main branch: AMIsum's main branch is a loading script,
+# which `datasets` no longer runs, so it is read from the hub's parquet conversion of it.
+HUB_REVISIONS = {"TalTechNLP/AMIsum": "refs/convert/parquet"}
 RUNS = Path("runs")
 
 # Flags whose change would make a resumed run a different run (other data, other batches, other schedule).
@@ -69,9 +72,16 @@ def common_parser(description: str, experiment: str) -> argparse.ArgumentParser:
     g.add_argument(
         "--data",
         default=None,
-        help=f"QMSum-format folder or hub dataset id [default: {DEFAULT_DATA}; smoke: the shipped synthetic sample]",
+        help=f"'{SHIPPED}' (QMSum's AMI meetings, shipped in the package), a QMSum-format folder or a hub dataset "
+        f"id (owner/name[:config]) [default: {DEFAULT_DATA}]",
     )
-    g.add_argument("--data-revision", default=None, help=f"hub revision [default: {DEFAULT_DATA_REVISION}]")
+    g.add_argument(
+        "--data-revision",
+        default=None,
+        help="hub revision [default: the main branch; "
+        + ", ".join(f"{k}: {v}" for k, v in HUB_REVISIONS.items())
+        + "]",
+    )
     g.add_argument(
         "--output-dir",
         type=Path,
@@ -154,7 +164,7 @@ def common_parser(description: str, experiment: str) -> argparse.ArgumentParser:
 
 SMOKE = dict(
     model="tiny",
-    data=str(SAMPLE_DATA),
+    data=DEFAULT_DATA,
     max_steps=30,
     max_length=512,
     batch_size=8,
@@ -189,8 +199,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     for key, value in (SMOKE if args.smoke else REAL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    if args.data_revision is None and args.data == DEFAULT_DATA:
-        args.data_revision = DEFAULT_DATA_REVISION
+    if args.data_revision is None:
+        args.data_revision = HUB_REVISIONS.get(args.data.partition(":")[0])
     for key in (
         "max_steps",
         "max_length",

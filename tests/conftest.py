@@ -9,13 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from ftkit.data import SAMPLE_DATA
+from ftkit.data import SHIPPED_DIR
 
 ROOT = Path(__file__).resolve().parents[1]
-# Real AMI text when the shared folder is there (the project's machines); else the synthetic sample the
-# package ships, so `uv run pytest` passes in any clone.
-_shared = Path(os.environ.get("FTKIT_TEST_DATA", ROOT.parent / "shared" / "data" / "qmsum-ami"))
-DATA = _shared if _shared.is_dir() else SAMPLE_DATA
+# The AMI meetings the package ships (QMSum's, gzipped): real text in any clone, offline.
+DATA = SHIPPED_DIR
 
 
 @pytest.fixture(scope="session", autouse=True)

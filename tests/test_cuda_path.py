@@ -82,9 +82,8 @@ def run_rank(script: str, rank: int, flags: list[str], monkeypatch) -> dict:
 
 
 def flags(tmp_path, *extra: str) -> list[str]:
-    # The real scale's defaults (no --smoke), on Qwen3-4B's exact shape, so nothing is downloaded; the shipped
-    # sample data, since no choice checked here depends on the data and its tokenizer trains in a moment.
-    model = ["--model", "qwen3-4b-shape", "--data", str(data.SAMPLE_DATA), "--max-length", "512"]
+    # The real scale's defaults (no --smoke) and data, on Qwen3-4B's exact shape, so nothing is downloaded.
+    model = ["--model", "qwen3-4b-shape", "--max-length", "512"]
     return [*model, "--output-dir", str(tmp_path / "run"), *extra]
 
 
@@ -139,4 +138,4 @@ def test_no_gpu_message_says_why_and_gives_the_smoke_command(monkeypatch):
     message = str(e.value)
     assert "DRIVER-TOO-OLD" in message
     assert "uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --max-steps 5 --smoke" in message
-    assert "../shared" not in message
+    assert "--data" not in message  # the data ships with the package: the hint needs no path to it

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 
 import pytest
 import torch
 
-from ftkit import data, models
+from ftkit import data, models, run
 
 
 @pytest.fixture(scope="module")
@@ -19,6 +20,67 @@ def splits(data_dir):
 @pytest.fixture(scope="module")
 def tokenizer(splits):
     return models.load_tokenizer("tiny", data.corpus(splits["train"]))
+
+
+# QMSum's own split of the 137 AMI "Product" meetings (data/Product/{val,test}/ at the pinned commit): four
+# meetings (a-d) of each of these series; every other meeting is in train.
+QMSUM_VAL = {f"{series}{x}" for series in ("ES2006", "ES2009", "IS1006", "TS3009", "TS3010") for x in "abcd"}
+QMSUM_TEST = {f"{series}{x}" for series in ("ES2004", "ES2011", "IS1003", "TS3004", "TS3011") for x in "abcd"}
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    """Any attempt to reach the hub fails the test."""
+    import datasets
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError(f"hub access: load_dataset{args}")
+
+    monkeypatch.setattr(datasets, "load_dataset", no_hub)
+
+
+@pytest.mark.usefixtures("offline")
+def test_shipped_data_is_qmsums_ami_split_by_meeting(tmp_path, monkeypatch, splits, data_dir):
+    """`qmsum-ami` is the shipped folder, read offline, wherever the command runs: 97/20/20 meetings with
+    690/145/151 query-summary pairs, split exactly as QMSum splits them."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / data.SHIPPED).mkdir()  # a local folder of the same name does not shadow the shipped data
+    shipped = data.load_splits(data.SHIPPED)
+    meetings = {s: {ex.meeting_id for ex in shipped[s]} for s in data.SPLITS}
+    assert [len(meetings[s]) for s in data.SPLITS] == [97, 20, 20]
+    assert [len(shipped[s]) for s in data.SPLITS] == [690, 145, 151]
+    assert (meetings["val"], meetings["test"]) == (QMSUM_VAL, QMSUM_TEST)
+    assert all(m[:2] in ("ES", "IS", "TS") for m in meetings["train"])
+    assert data_dir == data.SHIPPED_DIR and shipped == splits  # the tests run on it; the name is that folder
+
+
+def resolved(*flags: str):
+    return run.resolve(run.common_parser("test", "test").parse_args(list(flags)))
+
+
+@pytest.mark.parametrize("scale", [(), ("--smoke",)], ids=["real", "smoke"])
+def test_default_data_is_the_shipped_data(scale):
+    args = resolved(*scale)
+    assert (args.data, args.data_revision) == (data.SHIPPED, None)
+    # A hub dataset read from a revision other than its main branch gets that revision, unless one is given.
+    assert resolved(*scale, "--data", "TalTechNLP/AMIsum").data_revision == "refs/convert/parquet"
+    assert resolved(*scale, "--data", "TalTechNLP/AMIsum", "--data-revision", "main").data_revision == "main"
+    assert resolved(*scale, "--data", "knkarthick/AMI").data_revision is None
+
+
+@pytest.mark.usefixtures("offline")
+def test_plain_json_qmsum_folder_loads_the_same(tmp_path, splits):
+    """A clone of QMSum's data/Product holds plain .json files: the same meetings give the same examples."""
+    clone = tmp_path / "Product"
+    for split in data.SPLITS:
+        (clone / split).mkdir(parents=True)
+        for f in sorted((data.SHIPPED_DIR / split).glob("*.json.gz"))[:2]:
+            (clone / split / f.name.removesuffix(".gz")).write_bytes(gzip.decompress(f.read_bytes()))
+    loaded = data.load_splits(str(clone))
+    for split in data.SPLITS:
+        ids = {ex.meeting_id for ex in loaded[split]}
+        assert len(ids) == 2
+        assert loaded[split] == [ex for ex in splits[split] if ex.meeting_id in ids]
 
 
 def test_splits_are_by_meeting(splits):
@@ -181,14 +243,21 @@ def test_missing_and_malformed_data(tmp_path, data_dir):
         data.load_splits(str(tmp_path / "nope"))
     bad = tmp_path / "bad"
     shutil.copytree(data_dir, bad)
-    victim = sorted((bad / "train").glob("*.json"))[0]
-    victim.write_text("{not json")
-    with pytest.raises(data.DataError, match=victim.name):
-        data.load_splits(str(bad))
-    meeting = json.loads(sorted((data_dir / "train").glob("*.json"))[0].read_text())
+    victim = sorted((bad / "train").glob("*.json.gz"))[0]
+    original = victim.read_bytes()
+    for broken in (b"{not json", original[: len(original) // 2], gzip.compress(b"{not json")):
+        victim.write_bytes(broken)  # not gzip, a truncated gzip, gzipped non-JSON
+        with pytest.raises(data.DataError, match=victim.name):
+            data.load_splits(str(bad))
+    meeting = json.loads(gzip.decompress(original))
     del meeting["meeting_transcripts"]
-    victim.write_text(json.dumps(meeting))
+    victim.write_bytes(gzip.compress(json.dumps(meeting).encode()))
     with pytest.raises(data.DataError, match="QMSum's meeting format"):
+        data.load_splits(str(bad))
+    # A meeting both gzipped and not (`gunzip -k`) would count twice.
+    victim.write_bytes(original)
+    victim.with_name(victim.name.removesuffix(".gz")).write_bytes(gzip.decompress(original))
+    with pytest.raises(data.DataError, match=f"{data.meeting_id(victim)} found as both"):
         data.load_splits(str(bad))
 
 

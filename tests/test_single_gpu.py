@@ -3,6 +3,7 @@ and refuses bad input with a clear message."""
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 
@@ -146,8 +147,8 @@ def test_missing_data_folder_is_refused(tmp_path):
 def test_malformed_meeting_file_is_refused(tmp_path, data_dir):
     bad = tmp_path / "bad"
     shutil.copytree(data_dir, bad)
-    victim = sorted((bad / "val").glob("*.json"))[0]
-    victim.write_text('{"meeting_transcripts": [{"speaker": "A"}]}')
+    victim = sorted((bad / "val").glob("*.json.gz"))[0]
+    victim.write_bytes(gzip.compress(b'{"meeting_transcripts": [{"speaker": "A"}]}'))
     proc = run_script(TRAIN, "--smoke", "--data", str(bad), "--output-dir", str(tmp_path / "o"))
     assert proc.returncode != 0 and victim.name in proc.stderr and "Traceback" not in proc.stderr
 

@@ -3,7 +3,7 @@
 The single-GPU step, split across GPUs: every rank holds the whole model and runs its share of the global batch,
 and DistributedDataParallel averages the LoRA gradients over the ranks during backward:
     uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py                    # Qwen3-4B, 2 GPUs, NCCL
-    uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --smoke --data ../shared/data/qmsum-ami  # CPU, gloo
+    uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --smoke            # CPU, gloo
     uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --smoke --sync-every-micro-step  # a misconfiguration
 
 One optimizer step = one global batch of --batch-size sequences, run as --batch-size / (--micro-batch-size x

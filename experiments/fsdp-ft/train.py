@@ -6,7 +6,7 @@ before the layer runs and freed after it, and its gradients are reduce-scattered
 gradient of its own shard (ZeRO-3, Rajbhandari et al. 2020, arXiv 1910.02054; FSDP, Zhao et al. 2023, arXiv
 2304.11277):
     uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py                    # Qwen3-4B, 2 GPUs, NCCL
-    uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --smoke --data ../shared/data/qmsum-ami  # CPU
+    uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --smoke            # CPU
     uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --smoke --wrap-class LlamaDecoderLayer  # a trap
 
 One optimizer step = one global batch of --batch-size sequences, run as --batch-size / (--micro-batch-size x

@@ -4,7 +4,7 @@ The single-GPU step, cut by depth: rank r holds a contiguous slice of the layer 
 stage, the final norm and lm_head on the last), and the global batch flows through the stages as micro-batches,
 activations forward and their gradients backward, rank to rank:
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --schedule 1f1b             # Qwen3-4B, 2 GPUs
-    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --smoke --data ../shared/data/qmsum-ami  # CPU
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --smoke                     # CPU
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --smoke --schedule interleaved-1f1b
 
 One optimizer step = one global batch of --batch-size sequences, cut into m = --batch-size / --micro-batch-size

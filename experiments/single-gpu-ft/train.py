@@ -2,7 +2,7 @@
 
 The baseline of the series. Every other experiment computes this same training step, split across GPUs:
     uv run python experiments/single-gpu-ft/train.py                                   # Qwen3-4B, one GPU
-    uv run python experiments/single-gpu-ft/train.py --smoke --data ../shared/data/qmsum-ami   # CPU, tiny Qwen3
+    uv run python experiments/single-gpu-ft/train.py --smoke                           # CPU, tiny Qwen3
     uv run python experiments/single-gpu-ft/train.py --quant none    # bf16 LoRA: the FSDP/TP/PP reference
 
 One optimizer step = one global batch of --batch-size sequences, run as --batch-size / --micro-batch-size

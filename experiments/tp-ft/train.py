@@ -4,7 +4,7 @@ Every rank holds 1/N of each projection (attention heads, MLP columns) and all r
 together. The plan is written for PEFT's modules: the frozen base layers are split as in Megatron-LM (q/k/v and
 gate/up column-wise, o/down row-wise) and each adapter is split to match its base:
     uv run torchrun --nproc_per_node=2 experiments/tp-ft/train.py                    # Qwen3-4B, 2 GPUs, NCCL
-    uv run torchrun --nproc_per_node=2 experiments/tp-ft/train.py --smoke --data ../shared/data/qmsum-ami  # CPU
+    uv run torchrun --nproc_per_node=2 experiments/tp-ft/train.py --smoke            # CPU
     uv run torchrun --nproc_per_node=2 experiments/tp-ft/train.py --smoke --naive-plan   # the plan PEFT breaks
 
 Tensor parallelism does not split the batch: the data-parallel degree is 1, so accumulation is

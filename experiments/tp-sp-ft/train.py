@@ -4,7 +4,7 @@ Every rank holds 1/N of each projection (attention heads, MLP columns) and all r
 together; activations between the blocks are split along the sequence, so the norms and the residual stream
 of each rank cover 1/N of the tokens:
     uv run torchrun --nproc_per_node=2 experiments/tp-sp-ft/train.py                    # Qwen3-4B, 2 GPUs, NCCL
-    uv run torchrun --nproc_per_node=2 experiments/tp-sp-ft/train.py --smoke --data ../shared/data/qmsum-ami
+    uv run torchrun --nproc_per_node=2 experiments/tp-sp-ft/train.py --smoke            # CPU
     uv run torchrun --nproc_per_node=2 experiments/tp-sp-ft/train.py --smoke --no-sequence-parallel  # plain TP
 
 Tensor parallelism does not split the batch: the data-parallel degree is 1, so accumulation is
