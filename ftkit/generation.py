@@ -39,9 +39,25 @@ def run_config(args: argparse.Namespace) -> dict:
     adapter = args.adapter or run_dir / "adapter"
     if not (adapter / "adapter_config.json").exists():
         raise run.RunError(f"no PEFT adapter at {adapter}: the run did not finish (resume it) or pass --adapter")
+    check_adapter(adapter)
     cfg = json.loads(cfg_path.read_text())["args"]
     cfg.update(run_dir=str(run_dir), adapter=str(adapter))
     return cfg
+
+
+def check_adapter(adapter: Path) -> None:
+    """Read the adapter's two files before the base model loads: a truncated or damaged one is a clear error here,
+    not a library traceback after minutes of loading."""
+    import safetensors.torch
+
+    try:
+        json.loads((adapter / "adapter_config.json").read_text())
+        safetensors.torch.load_file(adapter / "adapter_model.safetensors")
+    except Exception as e:
+        raise run.CheckpointError(
+            f"{adapter}: corrupt or unreadable adapter ({type(e).__name__}: {e}); train again, or pass --adapter "
+            "with another run's adapter/"
+        ) from e
 
 
 def held_out(examples: Sequence[data.Example], n: int) -> list[data.Example]:

@@ -270,6 +270,9 @@ def load_model(
         if quant == "nf4" and device.type == "cpu":
             _keep_cpu_4bit_layout(net)
     net.config.use_cache = False  # no KV cache in training: it only costs memory, and checkpointing disables it
+    # PEFT records `name_or_path` as the adapter's base_model_name_or_path: the --model value (a hub id, a local
+    # path, or 'tiny' / 'qwen3-4b-shape'), not the cache folder a random init was loaded from (nor None).
+    net.name_or_path = net.config._name_or_path = model
     return net
 
 

@@ -16,6 +16,7 @@ import random
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -215,6 +216,19 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             raise RunError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
     if args.stop_after is not None and not 0 < args.stop_after <= args.max_steps:
         raise RunError(f"--stop-after must be in 1..--max-steps ({args.max_steps}), got {args.stop_after}")
+    # Written so that NaN fails every check.
+    ranges = {
+        "lr": (args.lr > 0, "a positive learning rate, e.g. 2e-4"),
+        "warmup_steps": (args.warmup_steps >= 0, "0 or more"),
+        "weight_decay": (args.weight_decay >= 0, "0 or more"),
+        "max_grad_norm": (args.max_grad_norm >= 0, "0 (no clipping) or a positive norm"),
+        "lora_alpha": (args.lora_alpha > 0, "positive (the adapter's scale is alpha / rank)"),
+        "lora_dropout": (0 <= args.lora_dropout < 1, "a probability in [0, 1)"),
+        "keep_checkpoints": (args.keep_checkpoints >= 1, "1 or more (the newest checkpoint is what --resume needs)"),
+    }
+    for key, (ok, expected) in ranges.items():
+        if not ok:
+            raise RunError(f"--{key.replace('_', '-')} must be {expected}, got {getattr(args, key)}")
     return args
 
 
@@ -264,7 +278,13 @@ def launch(main) -> None:
     try:
         main()
     except (RunError, DataError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        # Flags and data are the same on every rank, so rank 0 says it once; a checkpoint error can be one rank's
+        # own shard, so every rank that meets one says so. The others wait a moment before exiting: torchrun stops
+        # the whole group at the first exit, which could otherwise cut rank 0 off before it has printed.
+        if int(os.environ.get("RANK", "0")) == 0 or isinstance(e, CheckpointError):
+            print(f"error: {e}", file=sys.stderr)
+        else:
+            time.sleep(3)
         code = 2
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -149,7 +149,12 @@ def compare_losses(run_a: Path, run_b: Path, key: str = "loss") -> float:
 
 def compare_adapters(dir_a: Path, dir_b: Path) -> float:
     """Max |a - b| over the tensors of two PEFT adapters (adapter_model.safetensors), which must have the same keys
-    and shapes: a reassembled adapter must be the whole adapter, under the names PEFT gives it."""
+    and shapes: a reassembled adapter must be the whole adapter, under the names PEFT gives it, and name the same
+    base model (the adapter alone says what to load it on)."""
+    bases = [
+        json.loads((Path(d) / "adapter_config.json").read_text())["base_model_name_or_path"] for d in (dir_a, dir_b)
+    ]
+    assert bases[0] is not None and bases[0] == bases[1], f"base_model_name_or_path: {bases}"
     a = load_file(Path(dir_a) / "adapter_model.safetensors")
     b = load_file(Path(dir_b) / "adapter_model.safetensors")
     assert a.keys() == b.keys(), f"different tensors: {sorted(a.keys() ^ b.keys())[:6]}"

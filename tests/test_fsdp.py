@@ -169,10 +169,10 @@ def test_infer_on_the_gathered_adapter(accum):
 def test_qlora_is_refused_with_the_reason(tmp_path, data_dir):
     run = parity.torchrun(TRAIN, *flags(data_dir, 8, "--qlora"), "--output-dir", str(tmp_path / "o"))
     assert run.returncode != 0
-    # Every rank refuses, but when the first exits torchrun stops the other, which may be gone before it
-    # prints: the reason must come from at least one rank, and a traceback from none.
+    # Every rank refuses; rank 0 alone says why, and no rank shows a traceback.
     stderr = [run.stderr(rank) for rank in (0, 1)]
-    assert any("Params4bit" in e for e in stderr) and not any("Traceback" in e for e in stderr), run.report()
+    assert "Params4bit" in stderr[0] and "Params4bit" not in stderr[1], run.report()
+    assert not any("Traceback" in e for e in stderr), run.report()
     assert not (tmp_path / "o").exists()
 
 

@@ -199,3 +199,46 @@ def test_profile_steps_write_a_trace_of_those_steps(full_run):
     assert any(n.startswith(("aten::mm", "aten::addmm", "aten::linear")) for n in names)
     assert sum(n.startswith("Optimizer.step#AdamW.step") for n in names) == 2
     assert (full_run / "profile" / "ops-rank0-steps2-3.txt").read_text().strip()
+
+
+def test_adapter_names_its_base_model(full_run):
+    """The adapter alone says what to load it on: PEFT's base_model_name_or_path is the run's --model."""
+    assert json.loads((full_run / "adapter" / "adapter_config.json").read_text())["base_model_name_or_path"] == "tiny"
+
+
+@pytest.mark.parametrize(
+    "flag, value, says",
+    [
+        ("--lr", "-1", "--lr must be a positive learning rate"),
+        ("--lr", "nan", "--lr must be a positive learning rate"),
+        ("--lora-dropout", "1.5", "--lora-dropout must be a probability in [0, 1)"),
+        ("--warmup-steps", "-1", "--warmup-steps must be 0 or more"),
+        ("--max-grad-norm", "-1", "--max-grad-norm must be 0 (no clipping) or a positive norm"),
+        ("--weight-decay", "-0.1", "--weight-decay must be 0 or more"),
+        ("--lora-alpha", "0", "--lora-alpha must be positive"),
+        ("--keep-checkpoints", "0", "--keep-checkpoints must be 1 or more"),
+    ],
+)
+def test_out_of_range_flags_are_refused_before_any_work(flag, value, says):
+    from ftkit import run
+
+    args = run.common_parser("train", "single-gpu-ft").parse_args(["--smoke", flag, value])
+    with pytest.raises(run.RunError) as refused:
+        run.resolve(args)
+    assert says in str(refused.value) and value in str(refused.value)
+
+
+def test_out_of_range_flag_ends_with_the_message_not_a_traceback(tmp_path):
+    proc = run_script(TRAIN, "--smoke", "--lr", "-1", "--output-dir", str(tmp_path / "o"))
+    assert proc.returncode == 2 and "--lr must be a positive learning rate" in proc.stderr
+    assert "Traceback" not in proc.stderr and not (tmp_path / "o").exists()
+
+
+def test_infer_refuses_a_truncated_adapter_before_loading_the_model(full_run, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(full_run, copy)
+    weights = copy / "adapter" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    proc = run_script(INFER, "--smoke", "--run", str(copy), "--num-examples", "1", "--max-new-tokens", "4")
+    assert proc.returncode == 2 and "corrupt or unreadable adapter" in proc.stderr, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr

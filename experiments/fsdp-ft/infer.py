@@ -42,5 +42,5 @@ if __name__ == "__main__":
     torch.manual_seed(0)
     try:
         main()
-    except (run.RunError, data.DataError) as e:
+    except (run.RunError, run.CheckpointError, data.DataError) as e:
         run.fail(str(e))
