@@ -51,12 +51,49 @@ RESUME_MUST_MATCH = (
 )
 
 
+# Flags that --resume does not take from the run's config.json, and that may differ when given again: where the
+# run lives, how it is watched, how often it saves and evaluates, when this invocation stops.
+RESUME_FREE = (
+    "output_dir",
+    "resume",
+    "stop_after",
+    "progress",
+    "profile_steps",
+    "save_every",
+    "keep_checkpoints",
+    "eval_every",
+    "eval_examples",
+    "explicit_flags",
+    "experiment",
+)
+
+
 class RunError(RuntimeError):
     """A problem with the run's setup; the message says how to fix it."""
 
 
+class RunComplete(RunError):
+    """--resume of a run that has nothing left to do: said, and the process exits 0 with the run untouched."""
+
+
+class _Unset:
+    """Stands in for every flag while parsing the command line a second time: what is still this was not given."""
+
+
+class FlagParser(argparse.ArgumentParser):
+    """Records which flags the command line gave (`args.explicit_flags`), so that --resume can take every other
+    one from the run's config.json and tell a flag given again apart from a default."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        probe = argparse.Namespace(**{a.dest: _Unset for a in self._actions if a.dest != "help"})
+        given = vars(super().parse_args(args, probe))
+        parsed.explicit_flags = sorted(k for k, v in given.items() if v is not _Unset and k != "experiment")
+        return parsed
+
+
 def common_parser(description: str, experiment: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = FlagParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.set_defaults(experiment=experiment)
     g = p.add_argument_group("common flags (every experiment)")
     g.add_argument(
@@ -196,7 +233,10 @@ REAL = dict(
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
-    """Fill the scale-dependent defaults (smoke or real) and check the flags before anything expensive."""
+    """Take a resumed run's flags from its config.json, fill the scale-dependent defaults (smoke or real) and check
+    the flags, all before anything expensive."""
+    if args.resume:
+        take_run_flags(args)
     for key, value in (SMOKE if args.smoke else REAL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -277,6 +317,8 @@ def launch(main) -> None:
     code = 0
     try:
         main()
+    except RunComplete as e:
+        print0(str(e))
     except (RunError, DataError, CheckpointError) as e:
         # Flags and data are the same on every rank, so rank 0 says it once; a checkpoint error can be one rank's
         # own shard, so every rank that meets one says so. The others wait a moment before exiting: torchrun stops
@@ -336,20 +378,80 @@ def experiment_root(args: argparse.Namespace) -> Path:
     return RUNS / (args.experiment + ("-smoke" if args.smoke else ""))
 
 
+def resume_target(args: argparse.Namespace) -> tuple[Path, Path]:
+    """--resume's (run directory, checkpoint): a run directory resumes from its newest complete checkpoint, a
+    checkpoint directory (<run>/checkpoints/step-N) from that one."""
+    target = experiment_root(args) / "latest" if args.resume == "latest" else Path(args.resume)
+    if not target.exists():
+        raise RunError(f"--resume {args.resume}: {target} does not exist")
+    target = target.resolve()
+    if target.parent.name == "checkpoints":
+        return target.parent.parent, target
+    ckpt = latest_checkpoint(target)
+    if ckpt is None:
+        raise RunError(f"--resume: {target} holds no checkpoint (checkpoints/step-N/); nothing to resume")
+    return target, ckpt
+
+
+def take_run_flags(args: argparse.Namespace) -> None:
+    """--resume continues the run as it was started: every flag it was started with comes from its config.json,
+    and a flag given again must agree (those in RESUME_FREE excepted). A run with nothing left to do is left as
+    it is (RunComplete)."""
+    run_dir, ckpt = resume_target(args)
+    cfg_path = run_dir / "config.json"
+    if not cfg_path.exists():
+        raise RunError(f"--resume {args.resume}: {run_dir} has no config.json, so it is not a run to continue")
+    old = json.loads(cfg_path.read_text())["args"]
+    if old.get("experiment") != args.experiment:
+        raise RunError(
+            f"--resume {args.resume}: that is a {old.get('experiment')} run; continue it with "
+            f"experiments/{old.get('experiment')}/train.py --resume {run_dir}"
+        )
+    given = set(getattr(args, "explicit_flags", ()))
+    conflicts = []
+    for key, value in old.items():
+        if key in RESUME_FREE or not hasattr(args, key):
+            continue
+        if key not in given:
+            setattr(args, key, value)
+        elif getattr(args, key) != value:
+            conflicts.append(f"--{key.replace('_', '-')}: the run used {value}, this command says {getattr(args, key)}")
+    if conflicts:
+        raise RunError(
+            "--resume continues a run with its own flags (from its config.json), and these disagree:\n    "
+            + "\n    ".join(conflicts)
+            + "\nDrop them to continue the run as it was started, or start a new run without --resume."
+        )
+    summary = run_dir / "summary.json"
+    completed = summary.exists() and json.loads(summary.read_text()).get("status") == "completed"
+    from_checkpoint = ckpt.resolve() == Path(args.resume).resolve()  # a chosen checkpoint: re-run from there
+    if (completed and not from_checkpoint) or int(ckpt.name.split("-")[-1]) >= args.max_steps:
+        raise RunComplete(f"{run_dir} has completed its {args.max_steps} steps: nothing to resume, nothing changed")
+
+
+def report_end(args: argparse.Namespace, run_dir: Path, finished: bool) -> None:
+    """The run's last lines (rank 0): where it is, and its adapter or, stopped early, the exact command that
+    continues it (--resume takes the run's flags from its config.json)."""
+    if finished:
+        print0(f"run directory: {run_dir}\nadapter: {run_dir / 'adapter'}")
+        return
+    launcher = "uv run python"
+    if "LOCAL_RANK" in os.environ:
+        launcher = f"uv run torchrun --nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', '1')}"
+        nodes = int(os.environ.get("GROUP_WORLD_SIZE", "1"))
+        if nodes > 1:  # every node runs it again, with the rendezvous flags it was launched with
+            launcher += f" --nnodes={nodes} <the rendezvous flags of this launch>"
+    print0(
+        f"run directory: {run_dir}\nstopped after step {args.stop_after} of {args.max_steps}; continue it with:\n"
+        f"    {launcher} experiments/{args.experiment}/train.py --resume {run_dir}"
+    )
+
+
 def resolve_run_dir(args: argparse.Namespace) -> tuple[Path, Path | None]:
     """(run directory, checkpoint to resume from or None). Refuses to write into a directory that already
     holds a run unless resuming it, so nothing a user had is overwritten."""
     if args.resume:
-        target = experiment_root(args) / "latest" if args.resume == "latest" else Path(args.resume)
-        if not target.exists():
-            raise RunError(f"--resume {args.resume}: {target} does not exist")
-        target = target.resolve()
-        if target.parent.name == "checkpoints":
-            return target.parent.parent, target
-        ckpt = latest_checkpoint(target)
-        if ckpt is None:
-            raise RunError(f"--resume: {target} holds no checkpoint (checkpoints/step-N/); nothing to resume")
-        return target, ckpt
+        return resume_target(args)
     run_dir = args.output_dir or experiment_root(args) / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     if (run_dir / "config.json").exists() or (run_dir / "metrics.jsonl").exists():
         raise RunError(

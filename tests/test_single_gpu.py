@@ -86,7 +86,10 @@ def test_resume_continues_with_the_same_losses(full_run, tmp_path, data_dir):
     first = run_script(TRAIN, *FLAGS, "--data", str(data_dir), "--output-dir", str(out), "--stop-after", "5")
     assert first.returncode == 0, first.stderr[-3000:]
     assert not (out / "adapter").exists() and (out / "checkpoints" / "step-5").is_dir()
-    second = run_script(TRAIN, *FLAGS, "--data", str(data_dir), "--resume", str(out))
+    # The run ends by printing the command that continues it; run exactly that (flags from its config.json).
+    command = f"uv run python {TRAIN} --resume {out}"
+    assert command in first.stdout, first.stdout[-2000:]
+    second = run_script(*command.split()[3:])
     assert second.returncode == 0, second.stderr[-3000:]
     steps, resumed = losses(out)
     _, uninterrupted = losses(full_run)
@@ -179,8 +182,8 @@ def test_existing_run_is_not_overwritten(full_run, data_dir):
 def test_corrupt_checkpoint_is_refused(full_run, tmp_path, data_dir):
     copy = tmp_path / "copy"
     shutil.copytree(full_run, copy)
-    (copy / "checkpoints" / "step-10" / "optimizer.pt").write_bytes(b"garbage")
-    proc = run_script(TRAIN, *FLAGS, "--data", str(data_dir), "--resume", str(copy / "checkpoints" / "step-10"))
+    (copy / "checkpoints" / "step-5" / "optimizer.pt").write_bytes(b"garbage")
+    proc = run_script(TRAIN, *FLAGS, "--data", str(data_dir), "--resume", str(copy / "checkpoints" / "step-5"))
     assert proc.returncode != 0 and "corrupt" in proc.stderr and "Traceback" not in proc.stderr
 
 
@@ -242,3 +245,17 @@ def test_infer_refuses_a_truncated_adapter_before_loading_the_model(full_run, tm
     proc = run_script(INFER, "--smoke", "--run", str(copy), "--num-examples", "1", "--max-new-tokens", "4")
     assert proc.returncode == 2 and "corrupt or unreadable adapter" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_resume_with_a_disagreeing_flag_names_both_values(full_run):
+    proc = run_script(TRAIN, "--resume", str(full_run / "checkpoints" / "step-5"), "--lr", "0.5", "--seed", "3")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--lr: the run used 0.002, this command says 0.5" in proc.stderr
+    assert "--seed: the run used 0, this command says 3" in proc.stderr
+
+
+def test_resuming_a_completed_run_changes_nothing(full_run):
+    before = {p: p.read_bytes() for p in full_run.rglob("*") if p.is_file()}
+    proc = run_script(TRAIN, "--resume", str(full_run))
+    assert proc.returncode == 0 and "has completed its 10 steps" in proc.stdout, proc.stderr[-2000:]
+    assert {p: p.read_bytes() for p in full_run.rglob("*") if p.is_file()} == before

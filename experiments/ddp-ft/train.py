@@ -296,7 +296,7 @@ def main() -> None:
         "(they overlap backward and each other); the metrics' own loss/eval all-reduces are not counted",
     )
     run.write_summary(run_dir, summary)
-    print(f"run directory: {run_dir}" + (f"\nadapter: {run_dir / 'adapter'}" if finished else ""))
+    run.report_end(args, run_dir, finished)
 
 
 if __name__ == "__main__":

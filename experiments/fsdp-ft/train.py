@@ -455,7 +455,7 @@ def main() -> None:
     if args.use_cache:
         summary["kv_cache_bytes"] = kv_cache_bytes
     run.write_summary(run_dir, summary)
-    print(f"run directory: {run_dir}" + (f"\nadapter: {run_dir / 'adapter'}" if finished else ""))
+    run.report_end(args, run_dir, finished)
 
 
 if __name__ == "__main__":

@@ -465,7 +465,7 @@ def main() -> None:
         "forward, their gradients backward), counted where the stages build them; time is not measured",
     )
     run.write_summary(run_dir, summary)
-    print(f"run directory: {run_dir}" + (f"\nadapter: {run_dir / 'adapter'}" if finished else ""))
+    run.report_end(args, run_dir, finished)
 
 
 if __name__ == "__main__":

@@ -156,11 +156,8 @@ def main() -> None:
         note=metrics.memory_note(device),
     )
     run.write_summary(run_dir, summary)
-    print(f"run directory: {run_dir}" + (f"\nadapter: {run_dir / 'adapter'}" if finished else ""))
+    run.report_end(args, run_dir, finished)
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (run.RunError, data.DataError, run.CheckpointError) as e:
-        run.fail(str(e))
+    run.launch(main)
