@@ -13,6 +13,7 @@ import parity
 import pytest
 import torch
 from conftest import run_script
+from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from ftkit import data, models
@@ -56,7 +57,9 @@ def launch(tmp_path_factory, script: str, name: str, *args: str) -> parity.Launc
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data_dir):
-    return parity.reference(tmp_path_factory.mktemp("ref"), *flags(data_dir), quant="none")
+    # Every step checkpointed: the gradient test starts from the reference's adapter after step 2.
+    ref_flags = (*flags(data_dir), "--save-every", "1", "--keep-checkpoints", str(STEPS))
+    return parity.reference(tmp_path_factory.mktemp("ref"), *ref_flags, quant="none")
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +91,10 @@ def test_same_step_as_the_single_process_reference(request, reference, run_name)
     assert adapter <= parity.ADAPTER_TOL
 
 
-def reference_grads(data_dir) -> dict[str, torch.Tensor]:
-    """The first step's LoRA gradients of the unsharded model, computed here as the single-process script does."""
+def reference_grads(data_dir, reference) -> dict[str, torch.Tensor]:
+    """Step 3's LoRA gradients of the unsharded model, computed here as the single-process script does, from the
+    reference run's adapter after step 2. Not earlier: lora_B starts at zero, and the warmup's first step runs at
+    lr 0, so A's gradient (s dY B^T X) is zero in steps 1 and 2, and a wrong one would pass unseen."""
     splits = data.load_splits(str(data_dir))
     tokenizer = models.load_tokenizer("tiny", data.corpus(splits["train"]))
     train_set, _ = data.ChatFormatter(tokenizer, MAX_LENGTH).encode_all(splits["train"])
@@ -98,23 +103,28 @@ def reference_grads(data_dir) -> dict[str, torch.Tensor]:
         "tiny", quant="none", dtype=torch.float32, device=torch.device("cpu"), seed=0, vocab_size=len(tokenizer)
     )
     model = models.apply_lora(model, LORA_RANK, 32.0, 0.0, seed=0)
-    n_target = batches.n_target(0)
-    for mb in batches.micro_batches(0, MICRO):
+    set_peft_model_state_dict(
+        model, load_file(reference / "checkpoints" / "step-2" / "adapter" / "adapter_model.safetensors")
+    )
+    n_target = batches.n_target(2)
+    for mb in batches.micro_batches(2, MICRO):
         logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
         (data.token_loss_sum(logits[:, :-1], mb["labels"][:, 1:]) / n_target).backward()  # every position's loss
     return {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
 @pytest.fixture(scope="module")
-def ref_grads(data_dir):
-    return reference_grads(data_dir)
+def ref_grads(data_dir, reference):
+    grads = reference_grads(data_dir, reference)
+    assert all(g.abs().max() > 0 for g in grads.values()), "a zero reference gradient checks nothing"
+    return grads
 
 
 @pytest.mark.parametrize("run_name", ["tp", "sp"])
 def test_every_lora_gradient_matches_after_reassembly(request, ref_grads, run_name):
     """Including the replicated tensors (A of column layers, B of row layers), whose per-rank gradient is only
     a share: sp/megatron_tp sum the shares with one all-reduce, tp-ft's plan all-reduces B's input gradient."""
-    grads = load_file(request.getfixturevalue(run_name).run_dir / "grads-step1.safetensors")
+    grads = load_file(request.getfixturevalue(run_name).run_dir / "grads-step3.safetensors")
     assert grads.keys() == ref_grads.keys()
     scale = max(g.abs().max().item() for g in ref_grads.values())
     worst = max((grads[k] - ref_grads[k]).abs().max().item() for k in grads)

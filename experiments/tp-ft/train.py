@@ -50,7 +50,8 @@ def parse_args():
     g.add_argument(
         "--dump-grads",
         action="store_true",
-        help="write the first step's LoRA gradients, reassembled to full shapes, to grads-step1.safetensors",
+        help="write step 3's LoRA gradients, reassembled to full shapes, to grads-step3.safetensors (the column "
+        "layers' A gradients are zero while B is: at init, and after step 1, which warmup runs at lr 0)",
     )
     g.add_argument(
         "--dump-logits",
@@ -211,10 +212,10 @@ def main() -> None:
                         del out  # the logits are freed by backward, not kept alive into the next forward
                         loss.backward()  # the same loss on every rank: no scaling by the world size
                         loss_sum += loss.detach()
-                if args.dump_grads and step == 0:
+                if args.dump_grads and step == 2:
                     grads = full_lora(model, grads=True)
                     if rank == 0:
-                        safetensors.torch.save_file(grads, run_dir / "grads-step1.safetensors")
+                        safetensors.torch.save_file(grads, run_dir / "grads-step3.safetensors")
                 # The global gradient norm: the DTensor shards' squares summed over the mesh, the replicated
                 # adapters counted once. (clip_grad_norm_ refuses a mix of DTensor and plain tensors.)
                 sq = sum((p.grad.to_local() ** 2).sum() for p in trainable if isinstance(p, DTensor))

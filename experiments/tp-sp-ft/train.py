@@ -46,7 +46,8 @@ def parse_args():
     g.add_argument(
         "--dump-grads",
         action="store_true",
-        help="write the first step's LoRA gradients, reassembled to full shapes, to grads-step1.safetensors",
+        help="write step 3's LoRA gradients, reassembled to full shapes, to grads-step3.safetensors (the column "
+        "layers' A gradients are zero while B is: at init, and after step 1, which warmup runs at lr 0)",
     )
     g.add_argument(
         "--dump-logits",
@@ -416,10 +417,10 @@ def main() -> None:
                         loss.backward()  # the same loss on every rank: no scaling by the world size
                         loss_sum += loss.detach()
                     sync_replicated_grads(replicated, group)
-                if args.dump_grads and step == 0:
+                if args.dump_grads and step == 2:
                     grads = full_lora(model, group, grads=True)
                     if rank == 0:
-                        safetensors.torch.save_file(grads, run_dir / "grads-step1.safetensors")
+                        safetensors.torch.save_file(grads, run_dir / "grads-step3.safetensors")
                 # The global gradient norm: replicated tensors count once, the sharded ones summed over ranks (one
                 # scalar all-reduce, outside the accounting like the metrics' own).
                 sharded = [p for p in trainable if all(p is not q for q in replicated)]
