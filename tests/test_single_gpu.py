@@ -13,9 +13,13 @@ from conftest import run_script
 
 TRAIN = "experiments/single-gpu-ft/train.py"
 INFER = "experiments/single-gpu-ft/infer.py"
-# Small enough for CI, long enough for the loss to move: 10 steps of 8 sequences of <= 256 tokens.
+# Small enough for CI, long enough for the loss to move: 10 steps of 8 sequences of <= 256 tokens. LoRA dropout on
+# (the walkthrough's default is 0), so that every step draws random numbers and a resume that did not restore the
+# RNG state would show in the losses.
 FLAGS = [
     "--smoke",
+    "--lora-dropout",
+    "0.1",
     "--max-steps",
     "10",
     "--max-length",
