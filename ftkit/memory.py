@@ -294,7 +294,8 @@ def predict(
 
     Assumptions, each a choice the experiment scripts make or a framework default:
     - Activation dtype: `dtype`, except NF4 with `kbit_upcast` (peft's prepare_model_for_kbit_training): the
-      upcast fp32 embedding makes the residual stream, and so every activation, fp32 (there is no autocast).
+      upcast fp32 embedding makes the residual stream, and so every activation, fp32 (peft's recipe has no
+      autocast). The LoRA adapters compute in the activation dtype (`models.adapters_compute_in`).
     - Checkpointing is non-reentrant and per decoder layer: each layer keeps its input (a*h per token) and
       backward recomputes one layer at a time, so one layer's full activations are added once.
     - Logits: the lm_head output (activation dtype) held by the model output, plus the fp32 log-softmax that
