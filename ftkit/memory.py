@@ -10,7 +10,7 @@ Everything here is arithmetic on the model shape; nothing is measured. The compo
   and stay in the compute dtype, as the scripts keep them (`models.freeze_base`); `kbit_upcast` models
   peft's `prepare_model_for_kbit_training` instead, which upcasts them to fp32.
 - lora: the adapters, fp32 (4 B/param): PEFT keeps adapter weights in fp32 even on a bf16 base
-  (`autocast_adapter_dtype=True`).
+  (`autocast_adapter_dtype=True`); they are the optimizer's master weights, and compute in the stream dtype.
 - gradients: fp32, LoRA only (the base is frozen). DDP adds its bucket copy of them.
 - optimizer: AdamW's two fp32 moments per trainable param, 8 B/param.
 - gathered: FSDP only, parameters all-gathered for compute on top of the resident shards.
@@ -189,20 +189,24 @@ def layer_activation_bytes(
       head, never the s x s matrix: the 5as/h term is gone. a(2q + 2kv) + 4*heads. (GQA stays GQA only
       without a padding mask; with one, transformers repeats k, v to all heads first.)
     - SwiGLU: silu saves gate; silu(gate) * up saves both factors: 3ai. No dropout in Qwen3.
-    - Frozen base linears save no input (only the weight-gradient needs it). LoRA's A does: PEFT casts the
-      input to the fp32 adapter dtype, a private 4-byte copy per adapter on a bf16 stream, one shared tensor
-      on an fp32 stream (where o_proj's input is the SDPA output, saved already). LoRA dropout > 0 gives each
-      adapter its own fp32 dropout output plus a 1-byte mask. B saves A's output: 4r per adapter.
+    - Frozen base linears save no input (only the weight-gradient needs it). LoRA's A does. The adapters compute
+      in the stream dtype (`models.adapters_compute_in`: autocast, PEFT's fp32 input cast off), so without
+      dropout A saves the stream tensor the base reads, one tensor shared by the adapters that read it (q/k/v,
+      gate/up; o_proj's input is the SDPA output, saved already). LoRA dropout > 0 gives each adapter its own
+      dropout output (a bytes) plus a 1-byte mask. B saves A's output: a*r per adapter.
     - full_finetune: every linear saves its input in the stream dtype (q/k/v share one, gate/up another,
       o_proj's is the SDPA output) and each trainable norm weight saves its normalised input.
 
     The hidden part (width h: the norms and the q/k/v/gate/up inputs) is replicated under tensor parallelism
     without SP (Korthikanti's 10sbh); the rest is split across TP ranks by heads and intermediate columns.
 
-    For Qwen3-4B with adapters on all seven projections, r = 16, no dropout, the sum is 227,048 B per token
-    per layer on a bf16 stream (88.7h, against GPT's 34h: the 3.8h-wide SwiGLU and the fp32 copies that
-    RMSNorm and PEFT make) and 258,792 B on an fp32 stream. tests/test_memory.py checks the derivation
-    against the tensors autograd actually saves.
+    Not per token, so not here: the bf16 copies autocast makes of a layer's fp32 adapter weights, which the
+    LoRA matmuls save too (`predict` adds them, a*r*(in + out) per adapter).
+
+    For Qwen3-4B with adapters on all seven projections, r = 16, no dropout, the sum is 150,024 B per token
+    per layer on a bf16 stream (58.6h, against GPT's 34h: the 3.8h-wide SwiGLU and the fp32 copies that
+    RMSNorm makes), 200,200 B with dropout 0.05, and 258,792 B on an fp32 stream. tests/test_memory.py checks
+    the derivation against the tensors autograd actually saves.
     """
     h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
     a = act_bytes
@@ -214,17 +218,15 @@ def layer_activation_bytes(
         hidden_part += 2 * a * h  # the normalised inputs of the two norm weights
         sharded += a * (q + kv)  # and of q_norm / k_norm
     else:
-        hidden_part += FP32 * lora_rank * len(lora_targets)  # A's outputs, saved by B
+        hidden_part += a * lora_rank * len(lora_targets)  # A's outputs, saved by B
 
     inputs: dict[str, tuple[float, bool]] = {}  # storage -> (bytes, replicated under TP)
     for name in LORA_TARGETS if full_finetune else lora_targets:
         n_in = shape.linears()[name][0]
-        if full_finetune or (lora_dropout == 0 and a == FP32):
+        if full_finetune or lora_dropout == 0:
             storage, nbytes = LINEAR_INPUT[name], a * n_in  # linears reading one tensor share it
-        elif lora_dropout > 0:
-            storage, nbytes = name, (FP32 + 1) * n_in  # the adapter's own fp32 dropout output + bool mask
         else:
-            storage, nbytes = name, FP32 * n_in  # the adapter's own fp32 cast of a bf16 input
+            storage, nbytes = name, (a + 1) * n_in  # the adapter's own dropout output + bool mask
         inputs[storage] = (nbytes, name not in ROW_PARALLEL)
     inputs.pop("sdpa_out", None)  # saved by SDPA already
     hidden_part += sum(nbytes for nbytes, replicated in inputs.values() if replicated)
@@ -292,7 +294,8 @@ def predict(
 
     Assumptions, each a choice the experiment scripts make or a framework default:
     - Activation dtype: `dtype`, except NF4 with `kbit_upcast` (peft's prepare_model_for_kbit_training): the
-      upcast fp32 embedding makes the residual stream, and so every activation, fp32 (there is no autocast).
+      upcast fp32 embedding makes the residual stream, and so every activation, fp32 (peft's recipe has no
+      autocast). The LoRA adapters compute in the activation dtype (`models.adapters_compute_in`).
     - Checkpointing is non-reentrant and per decoder layer: each layer keeps its input (a*h per token) and
       backward recomputes one layer at a time, so one layer's full activations are added once.
     - Logits: the lm_head output (activation dtype) held by the model output, plus the fp32 log-softmax that
@@ -351,6 +354,12 @@ def predict(
     )
     sp = tp if sequence_parallel else 1
     layer_acts = tokens * (hidden_part / sp + sharded_part / tp)
+    # The bf16 copies autocast makes of a layer's fp32 adapter weights, saved by its LoRA matmuls (FSDP gathers
+    # the adapters in param_dtype instead: in `gathered`). They live while autocast caches them or backward
+    # needs them: one recomputed layer's with checkpointing, every layer's without; around pp's schedule.step
+    # autocast spans the whole step, so every layer of the stage keeps its copies cached.
+    copies = act * layer_lora if act != FP32 and not full_finetune and technique != "fsdp" else 0
+    copies *= layers if technique == "pp" or not grad_checkpointing else 1
     kept_per_layer = tokens * act * shape.hidden / sp if grad_checkpointing else layer_acts
     m = num_microbatches or pp
     if pp_schedule not in ("gpipe", "1f1b"):
@@ -377,6 +386,7 @@ def predict(
             gathered = outside * other_bytes + layer_full * (2 if reshard_after_forward else layers)
 
         acts = in_flight * layers * kept_per_layer + 2 * seq_len * shape.head_dim * act  # + RoPE cos, sin
+        acts += copies
         if grad_checkpointing:
             acts += layer_acts  # the layer being recomputed in backward
         if last:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -282,7 +283,7 @@ def freeze_base(model, grad_checkpointing: bool, reentrant: bool = False):
     In place of peft's prepare_model_for_kbit_training, which casts every non-4-bit weight to fp32: the tied
     embedding / lm_head (151936 x 2560) among them, so that the residual stream, the logits and the step's
     largest matmul would all run in fp32. Here they stay in the compute dtype; Qwen3's RMSNorm already takes its
-    variance in fp32, and the LoRA adapters are fp32 (peft's default)."""
+    variance in fp32, and the LoRA adapters' weights are fp32 (peft's default; see `adapters_compute_in`)."""
     for p in model.parameters():
         p.requires_grad_(False)
     if grad_checkpointing:
@@ -312,6 +313,33 @@ def apply_lora(model, rank: int, alpha: float, dropout: float, seed: int):
 
     torch.manual_seed(seed + 1)
     return get_peft_model(model, lora_config(rank, alpha, dropout))
+
+
+def adapters_compute_in(model, dtype: torch.dtype):
+    """Let the LoRA adapters compute in the activation dtype while their weights stay fp32, the optimizer's master
+    copy (fp32 gradients). Call once after `apply_lora`, and run every forward under `compute_autocast`.
+
+    PEFT's LoRA forward casts a projection's input to the adapters' dtype: on a bf16 base each adapter would make
+    an fp32 copy of a bf16 activation, apply dropout to it and run two fp32 matmuls off the tensor cores. With that
+    cast switched off, autocast casts the small adapter weights to bf16 instead (once per autocast region).
+    In fp32 nothing changes."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if dtype != torch.float32:
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.cast_input_dtype_enabled = False
+    return model
+
+
+def compute_autocast(device: torch.device, dtype: torch.dtype):
+    """The context every training and eval forward runs in, for `adapters_compute_in`: autocast to the compute
+    dtype, which here only changes the LoRA matmuls (the base already is in `dtype`; Qwen3's RMSNorm and RoPE
+    compute in fp32 themselves, the loss takes fp32 logits). Non-reentrant activation checkpointing restores it
+    on recompute. In fp32, no autocast at all."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
 
 
 def parameter_counts(model) -> dict[str, int]:

@@ -592,14 +592,18 @@ def save_adapter(path: Path, weights: dict[str, torch.Tensor], peft_config) -> N
 
 
 @torch.no_grad()
-def dump_logits(model, batch: dict, device: torch.device, path: Path, rank: int) -> None:
+def dump_logits(
+    model, batch: dict, device: torch.device, path: Path, rank: int, dtype: torch.dtype = torch.float32
+) -> None:
     """The logits of one batch, whole, to `path` on rank 0 (every rank runs the forward): for a test to compare
-    a sharded model with the reassembled adapter on one device."""
+    a sharded model with the reassembled adapter on one device. dtype: as in `eval_loss_sums`."""
     from ftkit.data import to_device
+    from ftkit.models import compute_autocast
 
     model.eval()
     mb = to_device(batch, device)
-    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
+    with compute_autocast(device, dtype):
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
     if rank == 0:
         torch.save({"batch": batch, "logits": logits.cpu()}, path)
 
@@ -622,18 +626,24 @@ def eval_micro_batches(encoded: list, n_examples: int, micro_batch_size: int, ra
 
 
 @torch.no_grad()
-def eval_loss_sums(model, micro_batches: list[dict], device: torch.device) -> torch.Tensor:
-    """[sum of token losses, target tokens] over these micro-batches, as a tensor ready for an all-reduce."""
+def eval_loss_sums(
+    model, micro_batches: list[dict], device: torch.device, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """[sum of token losses, target tokens] over these micro-batches, as a tensor ready for an all-reduce.
+    dtype: the adapters' compute dtype, for a model prepared with `models.adapters_compute_in` (the forward runs
+    under `models.compute_autocast`, as in training); fp32 runs it as it is."""
     from ftkit.data import to_device, token_loss_sum
+    from ftkit.models import compute_autocast
 
     was_training = model.training
     model.eval()
     sums = torch.zeros(2, dtype=torch.float64, device=device)
     for mb in micro_batches:
         mb = to_device(mb, device)
-        out = model(
-            input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], logits_to_keep=mb["logit_positions"]
-        )
+        with compute_autocast(device, dtype):
+            out = model(
+                input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], logits_to_keep=mb["logit_positions"]
+            )
         sums[0] += token_loss_sum(out.logits, mb["targets"]).double()
         sums[1] += (mb["targets"] != -100).sum()
     model.train(was_training)

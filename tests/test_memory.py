@@ -8,6 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
+from ftkit import models
 from ftkit.memory import (
     LORA_TARGETS,
     NF4_BYTES_PER_PARAM,
@@ -77,7 +78,7 @@ def tiny_lora_model(dtype: torch.dtype, rank: int, dropout: float, layers: int =
     config = Qwen3Config(**{**TINY, "num_hidden_layers": layers}, attn_implementation="sdpa")
     model = Qwen3ForCausalLM(config).to(dtype)
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=list(LORA_TARGETS))
-    return get_peft_model(model, lora).train()
+    return models.adapters_compute_in(get_peft_model(model, lora), dtype).train()
 
 
 def test_lora_params_match_peft(one_thread):
@@ -89,13 +90,15 @@ def test_lora_params_match_peft(one_thread):
 def test_qwen3_4b_lora_and_per_layer_activations():
     # The numbers quoted in ftkit/memory.py's docstrings.
     assert lora_params(QWEN3_4B, 16) == 33_030_144
-    assert sum(layer_activation_bytes(QWEN3_4B, act_bytes=2)) == 227_048
+    assert sum(layer_activation_bytes(QWEN3_4B, act_bytes=2)) == 150_024
+    assert sum(layer_activation_bytes(QWEN3_4B, act_bytes=2, lora_dropout=0.05)) == 200_200
     assert sum(layer_activation_bytes(QWEN3_4B, act_bytes=4)) == 258_792
 
 
-def measured_activation_bytes(model, input_ids: torch.Tensor) -> int:
-    """Bytes of the distinct storages autograd saves for backward in one forward, parameters excluded, plus
-    the logits the model returns: what stays allocated between forward and backward."""
+def measured_activation_bytes(model, input_ids: torch.Tensor, dtype: torch.dtype) -> int:
+    """Bytes of the distinct storages autograd saves for backward in one forward, run as the scripts run it
+    (`models.compute_autocast`), parameters excluded, plus the logits the model returns: what stays allocated
+    between forward and backward."""
     params = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     saved: dict[int, int] = {}
 
@@ -105,7 +108,7 @@ def measured_activation_bytes(model, input_ids: torch.Tensor) -> int:
             saved[storage.data_ptr()] = storage.nbytes()
         return t  # kept alive by the graph, so its address cannot be reused by another saved tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), models.compute_autocast(input_ids.device, dtype):
         out = model(input_ids=input_ids, labels=input_ids)
     logits = out.logits.untyped_storage()
     saved[logits.data_ptr()] = logits.nbytes()
@@ -115,33 +118,39 @@ def measured_activation_bytes(model, input_ids: torch.Tensor) -> int:
 @pytest.mark.parametrize("dtype, dropout", [("fp32", 0.0), ("fp32", 0.05), ("bf16", 0.0), ("bf16", 0.05)])
 def test_activations_match_saved_tensors(dtype: str, dropout: float, one_thread):
     """Prediction vs measurement, LoRA on a frozen tiny Qwen3, no checkpointing. fp32 is the reference case;
-    bf16 also runs on CPU and checks the fp32 copies that RMSNorm and PEFT make of a bf16 stream.
+    bf16 also runs on CPU, with the adapters computing in bf16 as in the scripts, and checks the fp32 copies
+    that RMSNorm makes of a bf16 stream and the bf16 copies autocast makes of the fp32 adapter weights.
 
     Per layer, from the difference between a 4-layer and a 2-layer model, the derivation must hold to the
     byte. One platform difference is added to the prediction: dropout on CPU multiplies by a noise tensor
-    in the input dtype (fp32 after PEFT's cast) and saves it, where CUDA's fused kernel saves a bool mask,
-    1 byte, which is what the model counts for the GPU.
+    in the input dtype and saves it, where CUDA's fused kernel saves a bool mask, 1 byte, which is what the
+    model counts for the GPU.
 
     For the whole model the tolerance is 5%, for one simplification the model makes on purpose: it counts
     layer 0 like every other layer, but layer 0 reads the frozen embedding's output, which needs no gradient,
-    so autograd does not save its input norm's input nor (with dropout) the q/k/v dropout masks. The model
-    overestimates by 1.2-1.3% here without dropout and 3.1-3.7% with it; over Qwen3-4B's 36 layers instead
+    so autograd does not save its input norm's input, nor (with dropout) the q/k/v dropout masks, nor (bf16)
+    the weight copies of q/k/v's A, which only the input gradient needs. The model
+    overestimates by 1.2-2.0% here without dropout and 3.1-3.3% with it; over Qwen3-4B's 36 layers instead
     of 4, about 9x less.
     """
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
     batch, seq = 2, 64
     input_ids = torch.randint(0, TINY["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
     measured = {
-        layers: measured_activation_bytes(tiny_lora_model(torch_dtype, 8, dropout, layers=layers), input_ids)
+        layers: measured_activation_bytes(
+            tiny_lora_model(torch_dtype, 8, dropout, layers=layers), input_ids, torch_dtype
+        )
         for layers in (2, 4)
     }
     shape = ModelShape.from_config(TINY)
+    act = torch_dtype.itemsize
     n_in = sum(shape.linears()[name][0] for name in LORA_TARGETS)
-    cpu_masks = batch * seq * (4 - 1) * n_in if dropout > 0 else 0
+    cpu_masks = batch * seq * (act - 1) * n_in if dropout > 0 else 0
+    weight_copies = act * lora_params(shape, 8) // shape.layers if dtype == "bf16" else 0
 
     per_layer = (measured[4] - measured[2]) / 2
-    layer = layer_activation_bytes(shape, act_bytes=4 if dtype == "fp32" else 2, lora_rank=8, lora_dropout=dropout)
-    assert per_layer == batch * seq * sum(layer) + cpu_masks
+    layer = layer_activation_bytes(shape, act_bytes=act, lora_rank=8, lora_dropout=dropout)
+    assert per_layer == batch * seq * sum(layer) + weight_copies + cpu_masks
 
     predicted = predict(
         shape,

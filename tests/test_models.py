@@ -102,3 +102,68 @@ def test_qwen3_4b_shape_is_drawn_in_its_dtype_on_the_cpu(monkeypatch):
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
     again = models.load_model("tiny", quant="none", dtype=torch.bfloat16, device=torch.device("meta"), seed=3)
     assert all(p.is_meta for p in again.parameters())  # the meta build draws nothing
+
+
+def tiny_lora(dtype: torch.dtype, dropout: float = 0.0):
+    """The tiny model with LoRA as the scripts build it, B drawn at random (PEFT inits it to zero, which would
+    leave A without a gradient)."""
+    model = models.load_model("tiny", quant="none", dtype=dtype, device=torch.device("cpu"), seed=0)
+    model = models.apply_lora(models.freeze_base(model, grad_checkpointing=True), 16, 32.0, dropout, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model.train()
+
+
+def loss_and_grads(model, dtype: torch.dtype, x: torch.Tensor):
+    """One training step's forward (under the helper's autocast, as the scripts run it) and backward."""
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(0)  # the same dropout masks on every call
+    with models.compute_autocast(torch.device("cpu"), dtype):
+        out = model(input_ids=x, labels=x)
+    out.loss.backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    return out.loss.detach(), out.logits.detach(), grads
+
+
+def test_adapters_compute_in_bf16_with_fp32_master_weights():
+    """On a bf16 base the LoRA matmuls run in bf16 (no fp32 copy of an activation, no fp32 GEMM) in forward, in
+    the checkpointed recompute and in backward, while the adapters' weights and gradients stay fp32."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in matmuls:
+                self.dtypes.append(args[-1].dtype)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(0))
+    reference, _, _ = loss_and_grads(tiny_lora(torch.bfloat16), torch.float32, x)  # PEFT's fp32 adapters
+
+    model = models.adapters_compute_in(tiny_lora(torch.bfloat16), torch.bfloat16)
+    with MatmulDtypes() as mode:
+        loss, _, grads = loss_and_grads(model, torch.bfloat16, x)
+    assert set(mode.dtypes) == {torch.bfloat16}  # base and LoRA, forward, recompute and backward (306 matmuls)
+    assert all(p.dtype == torch.float32 for p in model.parameters() if p.requires_grad)
+    assert all(g.dtype == torch.float32 and g.abs().sum() > 0 for g in grads.values())
+    assert torch.allclose(loss.float(), reference.float(), rtol=1e-2)
+
+
+def test_adapters_compute_in_fp32_changes_nothing():
+    """The CPU walkthrough (fp32, which every parity test runs): the same logits and gradients to the bit."""
+    x = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(0))
+    model = tiny_lora(torch.float32, dropout=0.05)
+    loss, logits, grads = loss_and_grads(model, torch.float32, x)
+    grads = {n: g.clone() for n, g in grads.items()}
+    models.adapters_compute_in(model, torch.float32)
+    loss2, logits2, grads2 = loss_and_grads(model, torch.float32, x)
+    assert torch.equal(loss, loss2) and torch.equal(logits, logits2)
+    assert all(torch.equal(grads[n], grads2[n]) for n in grads)

@@ -129,6 +129,7 @@ def main() -> None:
     # fire once, in order. The reentrant kind runs a nested backward per layer (--reentrant-checkpointing).
     model = models.freeze_base(model, args.grad_checkpointing, reentrant=args.reentrant_checkpointing)
     model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+    model = models.adapters_compute_in(model, dtype)  # bf16 compute (autocast), fp32 weights: as single-gpu-ft
     counts = models.parameter_counts(model)
     run.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
 
@@ -222,12 +223,13 @@ def main() -> None:
                     sync = j == len(micro_batches) - 1 or args.sync_every_micro_step
                     with contextlib.nullcontext() if sync else model.no_sync():
                         # The lm_head runs on the answer positions only: the loss needs no other logits.
-                        out = model(
-                            input_ids=mb["input_ids"],
-                            attention_mask=mb["attention_mask"],
-                            logits_to_keep=mb["logit_positions"],
-                        )
-                        loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                        with models.compute_autocast(device, dtype):
+                            out = model(
+                                input_ids=mb["input_ids"],
+                                attention_mask=mb["attention_mask"],
+                                logits_to_keep=mb["logit_positions"],
+                            )
+                            loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
                         del out  # the logits are freed by backward, not kept alive into the next forward
                         # DDP *averages* the gradients over the ranks. This rank's loss is its share of the global
                         # loss, so the gradient we want is the *sum* over ranks: scale by the world size.
@@ -263,7 +265,7 @@ def main() -> None:
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
                 # Each rank evaluates its share of the held-out set on the bare model (no DDP hooks); sum them.
-                sums = run.eval_loss_sums(model.module, eval_batches, device)
+                sums = run.eval_loss_sums(model.module, eval_batches, device, dtype)
                 dist.all_reduce(sums)
                 row["eval_loss"] = (sums[0] / sums[1]).item()
             log.log(row)

@@ -197,6 +197,7 @@ def main() -> None:
         # layer applies the checkpointing itself (transformers' GradientCheckpointingLayer).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+    model = models.adapters_compute_in(model, dtype)  # bf16 compute (autocast), fp32 weights: as single-gpu-ft
     counts = models.parameter_counts(model)
     adapter_config = model.peft_config["default"]
     run.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
@@ -320,7 +321,7 @@ def main() -> None:
             m.eval()
         for b in eval_batches:
             losses: list[torch.Tensor] = []
-            with torch.no_grad():
+            with torch.no_grad(), models.compute_autocast(device, dtype):
                 b = data.to_device(b, device)
                 schedule.eval(*([b["input_ids"]] if has_first else []), target=b["target"], losses=losses)
             if has_last:
@@ -344,9 +345,11 @@ def main() -> None:
             with metrics.StepTimer(device) as timer:
                 timer_actions.start()
                 # The schedule splits the batch into m micro-batches along dim 0 and runs its forwards and
-                # backwards in its order; the first stage reads the input ids, the last the targets.
+                # backwards in its order; the first stage reads the input ids, the last the targets. It runs
+                # the stages' forwards in this thread, so autocast around it reaches them.
                 inputs = [batch["input_ids"]] if has_first else []
-                schedule.step(*inputs, target=batch["target"] if has_last else None, losses=losses)
+                with models.compute_autocast(device, dtype):
+                    schedule.step(*inputs, target=batch["target"] if has_last else None, losses=losses)
                 timer_actions.stop()
                 # Clipping needs the norm of the whole model's gradient: each rank holds its stages' share, so
                 # sum the squared norms across ranks (the same total torch.nn.utils.clip_grad_norm_ computes).

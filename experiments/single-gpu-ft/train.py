@@ -55,6 +55,8 @@ def main() -> None:
     # embedding, lm_head and norms stay in the compute dtype (bf16 on GPUs), as in the bf16-LoRA runs.
     model = models.freeze_base(model, args.grad_checkpointing)
     model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+    # The adapters compute in bf16 (under autocast) with fp32 weights: no fp32 copy of an activation, no fp32 GEMM.
+    model = models.adapters_compute_in(model, dtype)
     counts = models.parameter_counts(model)
     print(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
 
@@ -103,12 +105,13 @@ def main() -> None:
                 for mb in batches.micro_batches(step, args.micro_batch_size):
                     mb = data.to_device(mb, device)
                     # The lm_head runs on the answer positions only: the loss needs no other logits.
-                    out = model(
-                        input_ids=mb["input_ids"],
-                        attention_mask=mb["attention_mask"],
-                        logits_to_keep=mb["logit_positions"],
-                    )
-                    loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                    with models.compute_autocast(device, dtype):
+                        out = model(
+                            input_ids=mb["input_ids"],
+                            attention_mask=mb["attention_mask"],
+                            logits_to_keep=mb["logit_positions"],
+                        )
+                        loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
                     del out  # the logits are freed by backward, not kept alive into the next forward
                     loss.backward()
                     loss_sum += loss.detach()
@@ -134,7 +137,7 @@ def main() -> None:
                 device=device,
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
-                sums = run.eval_loss_sums(model, eval_batches, device)
+                sums = run.eval_loss_sums(model, eval_batches, device, dtype)
                 row["eval_loss"] = (sums[0] / sums[1]).item()
             log.log(row)
             if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:

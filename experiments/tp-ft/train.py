@@ -148,6 +148,8 @@ def main() -> None:
         # Non-reentrant: backward recomputes each layer, and with it the layer's forward collectives.
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+    # bf16 compute (autocast casts the fp32 adapter weights, DTensor shards included), fp32 master weights.
+    model = models.adapters_compute_in(model, dtype)
     peft_config = model.peft_config["default"]
     n_lora = models.parameter_counts(model)["trainable"]  # the whole adapter, for the FLOP count
     # ---- tensor parallel: each decoder layer's projections (and their adapters) become DTensors sharded over
@@ -194,11 +196,12 @@ def main() -> None:
                         activation_elems += mb["input_ids"].numel() * config.hidden_size
                         try:
                             # The lm_head runs on the answer positions only: the loss needs no other logits.
-                            out = model(
-                                input_ids=mb["input_ids"],
-                                attention_mask=mb["attention_mask"],
-                                logits_to_keep=mb["logit_positions"],
-                            )
+                            with models.compute_autocast(device, dtype):
+                                out = model(
+                                    input_ids=mb["input_ids"],
+                                    attention_mask=mb["attention_mask"],
+                                    logits_to_keep=mb["logit_positions"],
+                                )
                         except RuntimeError as e:
                             if not args.naive_plan:
                                 raise
@@ -249,7 +252,7 @@ def main() -> None:
                 **({"comm": step_comm} if sampled else {}),
             )
             if evals:
-                sums = run.eval_loss_sums(model, eval_batches, device)  # the same on every rank
+                sums = run.eval_loss_sums(model, eval_batches, device, dtype)  # the same on every rank
                 row["eval_loss"] = (sums[0] / sums[1]).item()
             log.log(row)
             profiler.step(step + 1)
@@ -258,7 +261,7 @@ def main() -> None:
     # ---- save: the shards reassembled into one stock PEFT adapter
     adapter = full_lora(model)
     if args.dump_logits:
-        run.dump_logits(model, eval_batches[0], device, run_dir / "logits.pt", rank)
+        run.dump_logits(model, eval_batches[0], device, run_dir / "logits.pt", rank, dtype)
     if rank != 0:
         return
     run.save_adapter(run_dir / "adapter", adapter, peft_config)

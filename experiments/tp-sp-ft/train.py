@@ -196,9 +196,9 @@ class ColumnParallelLoRALinear(torch.nn.Module):
         self.dropout = lora_dropout(peft_linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # As PEFT does: the adapter computes in its own dtype (fp32 on a bf16 base), the sum is cast back.
-        lora = F.linear(F.linear(self.dropout(x.to(self.lora_A.dtype)), self.lora_A), self.lora_B) * self.scaling
-        return (F.linear(x, self.weight) + lora).to(x.dtype)
+        # As the PEFT scripts do under autocast: the adapter computes in x's dtype, its small fp32 weights cast.
+        lora = F.linear(F.linear(self.dropout(x), self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scaling
+        return F.linear(x, self.weight) + lora
 
 
 class RowParallelLoRALinear(torch.nn.Module):
@@ -216,8 +216,8 @@ class RowParallelLoRALinear(torch.nn.Module):
         self.exit_block = exit_block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lora = F.linear(F.linear(self.dropout(x.to(self.lora_A.dtype)), self.lora_A), self.lora_B) * self.scaling
-        return self.exit_block((F.linear(x, self.weight) + lora).to(x.dtype))
+        lora = F.linear(F.linear(self.dropout(x), self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scaling
+        return self.exit_block(F.linear(x, self.weight) + lora)
 
 
 def parallelize(model, tp: int, rank: int, group, sequence_parallel: bool) -> None:
