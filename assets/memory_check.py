@@ -27,6 +27,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("run", type=Path, help="a run directory (or a devlog run folder) with summary.json, metrics.jsonl")
     p.add_argument("--data", default=None, help="where this machine has the run's data [the run's --data]")
+    p.add_argument(
+        "--fp32-adapters",
+        action="store_true",
+        help="the run computed its LoRA adapters in fp32 (PEFT's default; the scripts before they computed them in "
+        "bf16 with models.adapters_compute_in): the memory model's fp32_adapter_compute branch",
+    )
     opts = p.parse_args()
     summary = json.loads((opts.run / "summary.json").read_text())
     if summary["config"].get("experiment") != "single-gpu-ft":
@@ -59,6 +65,7 @@ def main() -> None:
             seq_len=width,
             grad_checkpointing=args.grad_checkpointing,
             logit_positions=k,
+            fp32_adapter_compute=opts.fp32_adapters,
         ).total
         got = measured[step]
         print(f"| {step} | {width} | {k} | {total / GIB:.3f} | {got / GIB:.3f} | {got / total:.3f} |")

@@ -173,6 +173,7 @@ def layer_activation_bytes(
     lora_rank: int = 16,
     lora_dropout: float = 0.0,
     full_finetune: bool = False,
+    fp32_adapter_compute: bool = False,
 ) -> tuple[float, float]:
     """Bytes one decoder layer saves for backward, per token, as (hidden_part, sharded_part).
 
@@ -200,6 +201,11 @@ def layer_activation_bytes(
     The hidden part (width h: the norms and the q/k/v/gate/up inputs) is replicated under tensor parallelism
     without SP (Korthikanti's 10sbh); the rest is split across TP ranks by heads and intermediate columns.
 
+    fp32_adapter_compute: the adapters as PEFT computes them by default, before `models.adapters_compute_in`
+    (kept for runs measured that way): PEFT casts each adapter's input to the fp32 adapter dtype, a private 4-byte
+    copy per adapter on a bf16 stream (one shared tensor on an fp32 stream), its dropout output fp32 too, and B
+    saves A's fp32 output, 4r per adapter.
+
     Not per token, so not here: the bf16 copies autocast makes of a layer's fp32 adapter weights, which the
     LoRA matmuls save too (`predict` adds them, a*r*(in + out) per adapter).
 
@@ -210,6 +216,7 @@ def layer_activation_bytes(
     """
     h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
     a = act_bytes
+    lora_a = FP32 if fp32_adapter_compute else a  # the dtype the adapters compute in
     hidden_part = 2 * FP32 * (h + 1)  # input_layernorm, post_attention_layernorm
     sharded = FP32 * (q + shape.heads + kv + shape.kv_heads)  # q_norm, k_norm
     sharded += a * (2 * q + 2 * kv) + FP32 * shape.heads  # SDPA
@@ -218,15 +225,17 @@ def layer_activation_bytes(
         hidden_part += 2 * a * h  # the normalised inputs of the two norm weights
         sharded += a * (q + kv)  # and of q_norm / k_norm
     else:
-        hidden_part += a * lora_rank * len(lora_targets)  # A's outputs, saved by B
+        hidden_part += lora_a * lora_rank * len(lora_targets)  # A's outputs, saved by B
 
     inputs: dict[str, tuple[float, bool]] = {}  # storage -> (bytes, replicated under TP)
     for name in LORA_TARGETS if full_finetune else lora_targets:
         n_in = shape.linears()[name][0]
-        if full_finetune or lora_dropout == 0:
+        if full_finetune or (lora_dropout == 0 and lora_a == a):
             storage, nbytes = LINEAR_INPUT[name], a * n_in  # linears reading one tensor share it
+        elif lora_dropout == 0:
+            storage, nbytes = name, FP32 * n_in  # PEFT's own fp32 cast of a bf16 input, per adapter
         else:
-            storage, nbytes = name, (a + 1) * n_in  # the adapter's own dropout output + bool mask
+            storage, nbytes = name, (lora_a + 1) * n_in  # the adapter's own dropout output + bool mask
         inputs[storage] = (nbytes, name not in ROW_PARALLEL)
     inputs.pop("sdpa_out", None)  # saved by SDPA already
     hidden_part += sum(nbytes for nbytes, replicated in inputs.values() if replicated)
@@ -272,6 +281,7 @@ def predict(
     lora_targets: Sequence[str] = LORA_TARGETS,
     lora_dropout: float = 0.0,
     full_finetune: bool = False,
+    fp32_adapter_compute: bool = False,
     kbit_upcast: bool = False,
     logit_positions: int | None = None,
     micro_batch_size: int = 1,
@@ -290,7 +300,9 @@ def predict(
     norm + lm_head on the last, which holds its own copy of a tied embedding). For "tp"/"tp-sp"/"pp" the
     degree defaults to world_size; the data-parallel degree is world_size / (tp * pp).
     quant: "nf4" (QLoRA) or "none"; dtype: the base / compute dtype, "bf16" or "fp32".
-    lora_dropout > 0 costs activation memory (see `layer_activation_bytes`); full_finetune: the ZeRO baseline.
+    lora_dropout > 0 costs activation memory (see `layer_activation_bytes`); full_finetune: the ZeRO baseline;
+    fp32_adapter_compute: the adapters computing in fp32 as PEFT does by default (runs measured before the
+    scripts switched to `models.adapters_compute_in`).
 
     Assumptions, each a choice the experiment scripts make or a framework default:
     - Activation dtype: `dtype`, except NF4 with `kbit_upcast` (peft's prepare_model_for_kbit_training): the
@@ -351,6 +363,7 @@ def predict(
         lora_rank=lora_rank,
         lora_dropout=lora_dropout,
         full_finetune=full_finetune,
+        fp32_adapter_compute=fp32_adapter_compute,
     )
     sp = tp if sequence_parallel else 1
     layer_acts = tokens * (hidden_part / sp + sharded_part / tp)
@@ -358,7 +371,8 @@ def predict(
     # the adapters in param_dtype instead: in `gathered`). They live while autocast caches them or backward
     # needs them: one recomputed layer's with checkpointing, every layer's without; around pp's schedule.step
     # autocast spans the whole step, so every layer of the stage keeps its copies cached.
-    copies = act * layer_lora if act != FP32 and not full_finetune and technique != "fsdp" else 0
+    no_copies = act == FP32 or full_finetune or fp32_adapter_compute or technique == "fsdp"
+    copies = 0 if no_copies else act * layer_lora
     copies *= layers if technique == "pp" or not grad_checkpointing else 1
     kept_per_layer = tokens * act * shape.hidden / sp if grad_checkpointing else layer_acts
     m = num_microbatches or pp

@@ -73,12 +73,14 @@ def test_qwen3_4b_param_count_matches_transformers():
     assert ModelShape.from_config(QWEN3_4B_CONFIG) == QWEN3_4B
 
 
-def tiny_lora_model(dtype: torch.dtype, rank: int, dropout: float, layers: int = 4):
+def tiny_lora_model(dtype: torch.dtype, rank: int, dropout: float, layers: int = 4, peft_default: bool = False):
+    """peft_default: the adapters compute as PEFT does by default (fp32, its input cast on), not as the scripts."""
     torch.manual_seed(0)
     config = Qwen3Config(**{**TINY, "num_hidden_layers": layers}, attn_implementation="sdpa")
     model = Qwen3ForCausalLM(config).to(dtype)
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=list(LORA_TARGETS))
-    return models.adapters_compute_in(get_peft_model(model, lora), dtype).train()
+    model = get_peft_model(model, lora)
+    return (model if peft_default else models.adapters_compute_in(model, dtype)).train()
 
 
 def test_lora_params_match_peft(one_thread):
@@ -95,7 +97,7 @@ def test_qwen3_4b_lora_and_per_layer_activations():
     assert sum(layer_activation_bytes(QWEN3_4B, act_bytes=4)) == 258_792
 
 
-def measured_activation_bytes(model, input_ids: torch.Tensor, dtype: torch.dtype) -> int:
+def measured_activation_bytes(model, input_ids: torch.Tensor, dtype: torch.dtype, autocast: bool = True) -> int:
     """Bytes of the distinct storages autograd saves for backward in one forward, run as the scripts run it
     (`models.compute_autocast`), parameters excluded, plus the logits the model returns: what stays allocated
     between forward and backward."""
@@ -108,7 +110,8 @@ def measured_activation_bytes(model, input_ids: torch.Tensor, dtype: torch.dtype
             saved[storage.data_ptr()] = storage.nbytes()
         return t  # kept alive by the graph, so its address cannot be reused by another saved tensor
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), models.compute_autocast(input_ids.device, dtype):
+    compute = models.compute_autocast(input_ids.device, dtype if autocast else torch.float32)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), compute:
         out = model(input_ids=input_ids, labels=input_ids)
     logits = out.logits.untyped_storage()
     saved[logits.data_ptr()] = logits.nbytes()
@@ -164,6 +167,29 @@ def test_activations_match_saved_tensors(dtype: str, dropout: float, one_thread)
     ).activations
     predicted += shape.layers * cpu_masks
     assert predicted == pytest.approx(measured[4], rel=0.05), f"predicted {predicted:,.0f}, measured {measured[4]:,}"
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.05])
+def test_fp32_adapter_compute_matches_peft_default_saved_tensors(dropout: float, one_thread):
+    """The model's `fp32_adapter_compute` branch, kept for runs measured before the scripts computed the adapters
+    in bf16 (the single-GPU devlog's H100 runs), against what autograd saves with PEFT's default on a bf16
+    stream: per layer, to the byte (plus CPU dropout's noise tensors, as above)."""
+    batch, seq = 2, 64
+    input_ids = torch.randint(0, TINY["vocab_size"], (batch, seq), generator=torch.Generator().manual_seed(0))
+    measured = {
+        layers: measured_activation_bytes(
+            tiny_lora_model(torch.bfloat16, 8, dropout, layers=layers, peft_default=True),
+            input_ids,
+            torch.bfloat16,
+            autocast=False,
+        )
+        for layers in (2, 4)
+    }
+    shape = ModelShape.from_config(TINY)
+    n_in = sum(shape.linears()[name][0] for name in LORA_TARGETS)
+    cpu_masks = batch * seq * (4 - 1) * n_in if dropout > 0 else 0  # the noise is fp32, like the cast input
+    layer = layer_activation_bytes(shape, act_bytes=2, lora_rank=8, lora_dropout=dropout, fp32_adapter_compute=True)
+    assert (measured[4] - measured[2]) / 2 == batch * seq * sum(layer) + cpu_masks
 
 
 def test_fsdp_model_states_scale_as_one_over_n():
