@@ -239,6 +239,7 @@ def main() -> None:
                 clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
                 grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
                 optimizer.step()
+                lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
                 scheduler.step()
                 # Gradients as bucket views are zeroed in place: set to None, the next backward would allocate
                 # new .grad tensors and DDP would copy them into the buckets again, which is what the views avoid.
@@ -252,7 +253,7 @@ def main() -> None:
                 step=step + 1,
                 loss=global_loss,
                 grad_norm=grad_norm,
-                lr=scheduler.get_last_lr()[0],
+                lr=lr,
                 target_tokens=n_target,
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
                 config=config,

@@ -372,6 +372,7 @@ def main() -> None:
                 if before is not None and lr_used > 0:
                     for p, b in zip(trainable, before):
                         lost += ((p.to_local() == b) & (p.grad.to_local() != 0)).sum()
+                lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             step_comm = recorder.take()
@@ -386,7 +387,7 @@ def main() -> None:
                 step=step + 1,
                 loss=global_loss,
                 grad_norm=grad_norm,
-                lr=scheduler.get_last_lr()[0],
+                lr=lr,
                 target_tokens=n_target,
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
                 config=config,

@@ -365,6 +365,7 @@ def main() -> None:
                         if p.grad is not None:
                             p.grad.mul_(scale)
                 optimizer.step()
+                lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             # The loss lives on the last stage: broadcast it on the device, then the step's one host sync for
@@ -388,7 +389,7 @@ def main() -> None:
                 step=step + 1,
                 loss=loss,
                 grad_norm=grad_norm,
-                lr=scheduler.get_last_lr()[0],
+                lr=lr,
                 target_tokens=denominator[0],
                 lengths=batches.lengths(step),  # real tokens of the global batch: known on the host
                 config=config,

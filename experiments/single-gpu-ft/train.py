@@ -118,6 +118,7 @@ def main() -> None:
                 clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
                 grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)
                 optimizer.step()
+                lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             # The step's one host sync: the device scalars the metrics need, copied together.
@@ -126,7 +127,7 @@ def main() -> None:
                 step=step + 1,
                 loss=loss_value,
                 grad_norm=grad_norm,
-                lr=scheduler.get_last_lr()[0],
+                lr=lr,
                 target_tokens=n_target,
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
                 config=config,

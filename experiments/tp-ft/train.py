@@ -229,6 +229,7 @@ def main() -> None:
                     for p in trainable:
                         (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
                 optimizer.step()
+                lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             # The step's one host sync: every device scalar the metrics need, copied together.
@@ -238,7 +239,7 @@ def main() -> None:
                 step=step + 1,
                 loss=loss_value,  # every rank computed the whole batch's loss
                 grad_norm=grad_norm,
-                lr=scheduler.get_last_lr()[0],
+                lr=lr,
                 target_tokens=n_target,
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
                 config=config,
