@@ -527,6 +527,62 @@ def commit_checkpoint(tmp: Path, step: int, state: dict, keep: int) -> Path:
     return final
 
 
+def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, seed: int, keep: int) -> None:
+    """Checkpoint `step` of a run whose trainable state is spread over the ranks (FSDP's shards, TP's DTensors).
+    Every rank writes its own pieces of the trainable parameters and of the optimizer state with
+    torch.distributed.checkpoint, into one folder on storage all ranks see; rank 0 adds the scheduler and every
+    rank's RNG state, then commits the folder. A collective: every rank calls it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tmp = on_rank0(staging_dir, run_dir, step)
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp / "sharded")
+    rng = [None] * world if rank == 0 else None
+    dist.gather_object(rng_state(), rng, dst=0)
+    if rank == 0:
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        for r, state in enumerate(rng):
+            torch.save(state, tmp / f"rng-rank{r}.pt")
+        commit_checkpoint(tmp, step, {"seed": seed, "world_size": world}, keep)
+    dist.barrier()  # no rank goes on (or exits, with --stop-after) before the checkpoint is complete
+
+
+def load_sharded_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
+    """Resume from a `save_sharded_checkpoint` folder: each rank reads its own pieces, the scheduler and its own
+    RNG stream; the step it holds. The same world size only, since each rank continues its own RNG stream."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state = read_checkpoint_state(ckpt, ("sharded/.metadata", "scheduler.pt"))
+    if state.get("world_size") != world:
+        raise RunError(
+            f"{ckpt} was written by {state.get('world_size')} ranks; resume it with as many "
+            f"(torchrun --nproc_per_node=...), not {world}"
+        )
+    model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    pieces = {"model": model_state, "optimizer": optim_state}
+    try:
+        dcp.load(pieces, checkpoint_id=ckpt / "sharded")
+    except Exception as e:
+        raise CheckpointError(f"{ckpt}/sharded: unreadable sharded checkpoint ({e})") from e
+    # Not strict: the checkpoint holds the trainable parameters only (the frozen base is the one just loaded).
+    set_state_dict(
+        model,
+        optimizer,
+        model_state_dict=pieces["model"],
+        optim_state_dict=pieces["optimizer"],
+        options=StateDictOptions(ignore_frozen_params=True, strict=False),
+    )
+    scheduler.load_state_dict(load_torch(ckpt / "scheduler.pt"))
+    set_rng_state(load_torch(ckpt / f"rng-rank{rank}.pt"))
+    return int(state["step"])
+
+
 def read_checkpoint_state(ckpt: Path, required: tuple[str, ...]) -> dict:
     """trainer_state.json of a checkpoint, after checking the files the script needs are there."""
     try:

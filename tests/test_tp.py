@@ -297,3 +297,26 @@ def test_no_host_sync_per_micro_batch(request, run_name):
     counts = parity.host_syncs(request.getfixturevalue(run_name).run_dir, save_every=10**6)
     print(f"{run_name}: host syncs per plain step {counts}")
     assert max(counts) <= parity.MAX_HOST_SYNCS
+
+
+def test_tp_ft_stops_and_resumes_with_the_same_losses(tp, tmp_path, data_dir):
+    """--stop-after 2, then the printed --resume command: the same per-step losses and adapter as the uninterrupted
+    run (the DTensor shards, replicated adapters and AdamW state go through torch.distributed.checkpoint)."""
+    out = tmp_path / "resumed"
+    first = parity.torchrun(
+        TP_TRAIN, *flags(data_dir, "--dump-grads", "--dump-logits"), "--output-dir", str(out), "--stop-after", "2"
+    )
+    assert first.returncode == 0, first.report()
+    assert not (out / "adapter").exists() and (out / "checkpoints" / "step-2" / "sharded" / ".metadata").exists()
+    assert f"experiments/tp-ft/train.py --resume {out}" in first.ranks[0]["stdout"], first.report()
+    second = parity.torchrun(TP_TRAIN, "--resume", str(out))
+    assert second.returncode == 0, second.report()
+    assert [r["step"] for r in parity.metrics(out)] == list(range(1, STEPS + 1))
+    assert parity.compare_losses(out, tp.run_dir) <= 1e-6
+    assert parity.compare_adapters(out / "adapter", tp.run_dir / "adapter") <= 1e-6
+
+
+def test_tp_sp_ft_refuses_the_checkpoint_flags_it_cannot_honour():
+    proc = run_script(SP_TRAIN, "--smoke", "--stop-after", "2", "--save-every", "1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "tp-sp-ft does not checkpoint yet, so --stop-after, --save-every cannot work" in proc.stderr

@@ -21,14 +21,11 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from peft import get_peft_model_state_dict
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
-    set_state_dict,
 )
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
@@ -252,36 +249,11 @@ def main() -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
-    # The trainable part of the model and the optimizer state, as sharded DTensors (each rank its own pieces).
-    sharded = StateDictOptions(ignore_frozen_params=True)
-
-    # ---- resume: the sharded adapter + optimizer state (each rank reads its own pieces), the scheduler and
-    # each rank's RNG; the data position is the step itself.
+    # ---- resume: the sharded adapter + optimizer state (each rank reads its own pieces with
+    # torch.distributed.checkpoint), the scheduler and each rank's RNG; the data position is the step itself.
     start_step = 0
     if resume_from is not None:
-        state = run.read_checkpoint_state(resume_from, ("sharded/.metadata", "scheduler.pt"))
-        if state.get("world_size") != world:  # each rank continues its own RNG stream
-            raise run.RunError(
-                f"{resume_from} was written by {state.get('world_size')} ranks; resume it with as many "
-                f"(torchrun --nproc_per_node=...), not {world}"
-            )
-        model_state, optim_state = get_state_dict(model, optimizer, options=sharded)
-        ckpt = {"model": model_state, "optimizer": optim_state}
-        try:
-            dcp.load(ckpt, checkpoint_id=resume_from / "sharded")
-        except Exception as e:
-            raise run.CheckpointError(f"{resume_from}/sharded: unreadable sharded checkpoint ({e})") from e
-        # Not strict: the checkpoint holds the trainable parameters only (the frozen base is the one just loaded).
-        set_state_dict(
-            model,
-            optimizer,
-            model_state_dict=ckpt["model"],
-            optim_state_dict=ckpt["optimizer"],
-            options=StateDictOptions(ignore_frozen_params=True, strict=False),
-        )
-        scheduler.load_state_dict(run.load_torch(resume_from / "scheduler.pt"))
-        run.set_rng_state(run.load_torch(resume_from / f"rng-rank{rank}.pt"))
-        start_step = state["step"]
+        start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler)
         run.print0(f"resumed from {resume_from} at step {start_step}")
 
     hardware = metrics.hardware(device, world_size=world)
@@ -302,21 +274,6 @@ def main() -> None:
         )
         if rank == 0:
             run.save_adapter(path, get_peft_model_state_dict(model, state_dict=full), model.peft_config["default"])
-
-    def save_checkpoint(step: int) -> None:
-        # Every rank writes its own shards of the adapter and optimizer state (torch.distributed.checkpoint), in
-        # one folder that must be on storage all ranks see; rank 0 adds the scheduler and every rank's RNG.
-        tmp = run.on_rank0(run.staging_dir, run_dir, step)
-        model_state, optim_state = get_state_dict(model, optimizer, options=sharded)
-        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp / "sharded")
-        rng = [None] * world if rank == 0 else None
-        dist.gather_object(run.rng_state(), rng, dst=0)
-        if rank == 0:
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-            for r, state in enumerate(rng):
-                torch.save(state, tmp / f"rng-rank{r}.pt")
-            run.commit_checkpoint(tmp, step, {"seed": args.seed, "world_size": world}, args.keep_checkpoints)
-        dist.barrier()  # no rank goes on (or exits, with --stop-after) before the checkpoint is complete
 
     # ---- train
     model.train()
@@ -409,7 +366,10 @@ def main() -> None:
                 row["eval_loss"] = (sums[0] / sums[1]).item()
             log.log(row)
             if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
-                save_checkpoint(step + 1)
+                # Every rank writes its own shards (torch.distributed.checkpoint); storage all ranks see.
+                run.save_sharded_checkpoint(
+                    run_dir, step + 1, model, optimizer, scheduler, args.seed, args.keep_checkpoints
+                )
             profiler.step(step + 1)
     log.close()
 

@@ -58,10 +58,7 @@ def parse_args():
         action="store_true",
         help="after training, write the logits of the first eval micro-batch to logits.pt (for a one-device check)",
     )
-    args = run.resolve(p.parse_args())
-    if args.resume:
-        raise run.RunError("--resume is not implemented for tp-ft: start a new run")
-    return args
+    return run.resolve(p.parse_args())
 
 
 # ---- the plan. ColwiseParallel shards a Linear's weight by output rows (Shard(0)) and expects a replicated input;
@@ -129,7 +126,7 @@ def main() -> None:
     # TP does not split the batch: data-parallel degree 1, every rank runs every micro-batch.
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
     dtype = run.torch_dtype(args.dtype)
-    run_dir, _ = run.on_rank0(run.resolve_run_dir, args)
+    run_dir, resume_from = run.on_rank0(run.resolve_run_dir, args)
 
     # ---- data: every rank builds the same global batches and runs all of them (rank 0 of a world of 1).
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
@@ -169,18 +166,29 @@ def main() -> None:
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
 
+    # ---- resume: the adapter's DTensor shards and replicated tensors and the optimizer state (each rank reads its
+    # own pieces with torch.distributed.checkpoint), the scheduler and each rank's RNG.
+    start_step = 0
+    if resume_from is not None:
+        start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler)
+        run.print0(f"resumed from {resume_from} at step {start_step}")
+
     hardware = metrics.hardware(device, world_size=tp)
     run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum, tensor_parallel=tp)
-    run.on_rank0(run.init_run_dir, run_dir, args, run_config, resume_step=None)
-    log = metrics.MetricsLog(run_dir, rank=rank, total_steps=args.max_steps, progress=args.progress)
+    resume_step = start_step if resume_from is not None else None
+    run.on_rank0(run.init_run_dir, run_dir, args, run_config, resume_step=resume_step)
+    log = metrics.MetricsLog(
+        run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
+    )
     peak = metrics.peak_flops(device)
     recorder = comm.CommRecorder(device)
 
     # ---- train
     model.train()
-    profiler = StepProfiler(args.profile_steps, run_dir, device, rank)
+    last_step = args.stop_after or args.max_steps
+    profiler = StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step)
     with profiler:
-        for step in range(args.max_steps):
+        for step in range(start_step, last_step):
             metrics.reset_peak_memory(device)
             n_target = batches.n_target(step)  # the whole global batch's target tokens, on every rank
             loss_sum = torch.zeros((), device=device)
@@ -188,7 +196,7 @@ def main() -> None:
             evals = (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps
             # DTensor redistributes through functional collectives, which `comm.recording` cannot see; the
             # dispatch mode that does costs Python work on every op, so it runs on sampled steps only.
-            sampled = args.comm_every_step or step == 0 or evals
+            sampled = args.comm_every_step or step == start_step or evals
             with metrics.StepTimer(device) as timer:
                 with comm.recording_functional(recorder) if sampled else contextlib.nullcontext():
                     for mb in batches.micro_batches(step, args.micro_batch_size):
@@ -256,21 +264,27 @@ def main() -> None:
                 sums = run.eval_loss_sums(model, eval_batches, device, dtype)  # the same on every rank
                 row["eval_loss"] = (sums[0] / sums[1]).item()
             log.log(row)
+            if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
+                run.save_sharded_checkpoint(
+                    run_dir, step + 1, model, optimizer, scheduler, args.seed, args.keep_checkpoints
+                )
             profiler.step(step + 1)
     log.close()
 
     # ---- save: the shards reassembled into one stock PEFT adapter
-    adapter = full_lora(model)
-    if args.dump_logits:
+    finished = last_step == args.max_steps
+    adapter = full_lora(model) if finished else None
+    if args.dump_logits and finished:
         run.dump_logits(model, eval_batches[0], device, run_dir / "logits.pt", rank, dtype)
     if rank != 0:
         return
-    run.save_adapter(run_dir / "adapter", adapter, peft_config)
+    if finished:
+        run.save_adapter(run_dir / "adapter", adapter, peft_config)
     summary = metrics.run_summary(
         run_config,
         log,
         run_dir=run_dir,
-        last_step=args.max_steps,
+        last_step=last_step,
         peak=peak,
         predicted=metrics.predicted_memory(config, args, "tp", world_size=tp),
         note=metrics.memory_note(device),
@@ -286,7 +300,7 @@ def main() -> None:
         "the rows with a `comm` entry, and the means here are over those rows",
     )
     run.write_summary(run_dir, summary)
-    print(f"run directory: {run_dir}\nadapter: {run_dir / 'adapter'}")
+    run.report_end(args, run_dir, finished)
 
 
 if __name__ == "__main__":

@@ -54,10 +54,12 @@ def parse_args():
         action="store_true",
         help="after training, write the logits of the first eval micro-batch to logits.pt (for a one-device check)",
     )
-    args = run.resolve(p.parse_args())
-    if args.resume:
-        raise run.RunError("--resume is not implemented for tp-sp-ft: start a new run")
-    return args
+    args = p.parse_args()
+    asked = [k for k in ("resume", "stop_after", "save_every", "keep_checkpoints") if k in args.explicit_flags]
+    if asked:
+        flags = ", ".join("--" + k.replace("_", "-") for k in asked)
+        raise run.RunError(f"tp-sp-ft does not checkpoint yet, so {flags} cannot work: run it to the end")
+    return run.resolve(args)
 
 
 # ---- the collectives. The flat *_tensor collectives concatenate / split along dim 0, so the sequence dim (1 of
