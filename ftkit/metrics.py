@@ -133,7 +133,7 @@ def hardware(device: torch.device, world_size: int) -> dict:
     info = {
         "device": device.type,
         "world_size": world_size,
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "platform": platform.platform(),
@@ -142,6 +142,18 @@ def hardware(device: torch.device, world_size: int) -> dict:
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, gpu_memory=props.total_memory, cuda=torch.version.cuda)
     return info
+
+
+def cpu_model() -> str:
+    """The host CPU's model name (Linux: /proc/cpuinfo), else its architecture. It matters on GPUs too: a step
+    that issues many small ops waits on the host (devlogs/single-gpu-ft.md, "First GPU measurements")."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def versions() -> dict:
