@@ -354,3 +354,14 @@ def parameter_counts(model) -> dict[str, int]:
         else:
             frozen += n
     return {"trainable": trainable, "frozen": frozen}
+
+
+def merge_adapter(model: str, seed: int, adapter: Path, out: Path, vocab_size: int, dtype: torch.dtype) -> None:
+    """Base + LoRA in one ordinary transformers checkpoint (`out`), built on the CPU with PEFT's own merge, so it
+    is exactly what `PeftModel.merge_and_unload` would give any user; `out/ftkit.json` names the base."""
+    from peft import PeftModel
+
+    base = load_model(model, quant="none", dtype=dtype, device=torch.device("cpu"), seed=seed, vocab_size=vocab_size)
+    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    merged.save_pretrained(out)
+    (out / "ftkit.json").write_text(json.dumps({"model": model, "seed": seed}))

@@ -18,7 +18,6 @@ a transformers Qwen3ForCausalLM: only its seven projections are replaced, in pla
 from __future__ import annotations
 
 import contextlib
-import json
 
 import safetensors.torch
 import torch
@@ -469,7 +468,7 @@ def main() -> None:
         return
     run.save_adapter(run_dir / "adapter", adapter, peft_config)
     if args.merge:
-        merge(args, run_dir, len(tokenizer), dtype)
+        models.merge_adapter(args.model, args.seed, run_dir / "adapter", run_dir / "merged", len(tokenizer), dtype)
     summary = metrics.run_summary(
         run_config,
         log,
@@ -493,20 +492,7 @@ def main() -> None:
         activations_measured={**measured, "tokens": measured_tokens},
     )
     run.write_summary(run_dir, summary)
-    print(f"run directory: {run_dir}\nadapter: {run_dir / 'adapter'}")
-
-
-def merge(args, run_dir, vocab_size: int, dtype: torch.dtype) -> None:
-    """Base + LoRA in one ordinary transformers checkpoint (merged/), built on the CPU from the reassembled
-    adapter with PEFT's own merge, so it is exactly what `PeftModel.merge_and_unload` would give any user."""
-    from peft import PeftModel
-
-    base = models.load_model(
-        args.model, quant="none", dtype=dtype, device=torch.device("cpu"), seed=args.seed, vocab_size=vocab_size
-    )
-    merged = PeftModel.from_pretrained(base, run_dir / "adapter").merge_and_unload()
-    merged.save_pretrained(run_dir / "merged")
-    (run_dir / "merged" / "ftkit.json").write_text(json.dumps({"model": args.model, "seed": args.seed}))
+    run.report_end(args, run_dir, finished=True)
 
 
 if __name__ == "__main__":
