@@ -213,7 +213,9 @@ class MetricsLog:
     or checkpoint that came with the step before)."""
 
     def __init__(self, run_dir: Path, rank: int, total_steps: int, start_step: int = 0, progress: bool = True):
-        self.rank, self.rows = rank, []
+        from ftkit.run import restart_count
+
+        self.rank, self.rows, self.restart = rank, [], restart_count()
         self.path = Path(run_dir) / "metrics.jsonl"
         self.bar = None
         self.syncs = None
@@ -226,6 +228,8 @@ class MetricsLog:
             self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", dynamic_ncols=True)
 
     def log(self, row: dict) -> None:
+        if self.restart:
+            row["restart"] = self.restart  # the steps run after torchrun restarted the worker group
         if self.syncs is not None:
             row["host_syncs"], self.syncs.count = self.syncs.count, 0
         self.rows.append(row)
@@ -312,7 +316,10 @@ def memory_note(device: torch.device, extra: str = "") -> str:
 
 
 def run_config(args, hardware: dict, data_stats: dict, counts: dict, accum: int, **technique) -> dict:
-    """config.json: the resolved flags, versions, hardware, data statistics and parameter counts of a run."""
+    """config.json: the resolved flags, versions, hardware, data statistics and parameter counts of a run, and the
+    torchrun launch (which attempt) that wrote it."""
+    from ftkit.run import launch_info
+
     return {
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "versions": versions(),
@@ -320,6 +327,7 @@ def run_config(args, hardware: dict, data_stats: dict, counts: dict, accum: int,
         "data": data_stats,
         "parameters": counts,
         "accumulation_steps": accum,
+        **launch_info(),
         **technique,
     }
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as dt
+import hashlib
 import json
 import os
 import random
@@ -235,6 +236,7 @@ REAL = dict(
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Take a resumed run's flags from its config.json, fill the scale-dependent defaults (smoke or real) and check
     the flags, all before anything expensive."""
+    follow_restart(args)
     if args.resume:
         take_run_flags(args)
     for key, value in (SMOKE if args.smoke else REAL).items():
@@ -429,6 +431,58 @@ def take_run_flags(args: argparse.Namespace) -> None:
         raise RunComplete(f"{run_dir} has completed its {args.max_steps} steps: nothing to resume, nothing changed")
 
 
+def restart_count() -> int:
+    """How often torchrun has restarted this launch's worker group (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def launch_info() -> dict:
+    """config.json's record of the torchrun launch: its id (the same in every attempt) and this attempt's number."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return {}
+    return {"launch": {"torchelastic_run_id": os.environ["TORCHELASTIC_RUN_ID"], "restart": restart_count()}}
+
+
+def started_by_this_launch(run_dir: Path) -> bool:
+    """Whether an earlier attempt of this torchrun launch started the run in `run_dir` (its config.json names the
+    launch), as opposed to a run that was there before."""
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return config.get("launch", {}).get("torchelastic_run_id") == os.environ.get("TORCHELASTIC_RUN_ID")
+
+
+def follow_restart(args: argparse.Namespace) -> None:
+    """Under `torchrun --max-restarts=K`, when a rank dies torchrun stops the others and starts the whole worker
+    group again with the same command line. The new attempt continues the run from its newest complete checkpoint
+    (so a dead rank costs at most --save-every steps), or, if the run died before its first checkpoint, starts it
+    again in the same directory. Every attempt must find the same directory: --output-dir names it."""
+    restartable = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0
+    if restartable and not (args.output_dir or args.resume):
+        raise RunError(
+            "torchrun --max-restarts starts the workers again with the same command after a rank dies; give the "
+            "run a fixed directory with --output-dir DIR, so that a restarted group continues that run from its "
+            "latest checkpoint instead of starting a new one"
+        )
+    if restartable and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        # By default torchrun shares its rendezvous TCPStore with the workers, one store for every attempt, so a
+        # restarted rank can read the address a dead peer left in it and fail to connect (pytorch/pytorch#135712).
+        # Measured on this project's CPU tests: of 3 restarts, one failed to connect and one hung; with the store
+        # unshared, 4 restarts in 4 succeeded.
+        raise RunError(
+            "torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment, so that "
+            "each restart gets a fresh store (pytorch/pytorch#135712), e.g.\n    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+            f"uv run torchrun --max-restarts=3 --nproc_per_node={os.environ.get('LOCAL_WORLD_SIZE', 2)} "
+            f"experiments/{args.experiment}/train.py --output-dir DIR ..."
+        )
+    if restart_count() == 0:
+        return
+    run_dir = resume_target(args)[0] if args.resume else args.output_dir
+    if started_by_this_launch(run_dir) and latest_checkpoint(run_dir) is not None:
+        args.resume = str(run_dir)  # its newest complete checkpoint: one being written when the rank died is not
+
+
 def report_end(args: argparse.Namespace, run_dir: Path, finished: bool) -> None:
     """The run's last lines (rank 0): where it is, and its adapter or, stopped early, the exact command that
     continues it (--resume takes the run's flags from its config.json)."""
@@ -453,6 +507,11 @@ def resolve_run_dir(args: argparse.Namespace) -> tuple[Path, Path | None]:
     if args.resume:
         return resume_target(args)
     run_dir = args.output_dir or experiment_root(args) / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    if restart_count() > 0 and started_by_this_launch(run_dir):
+        # An earlier attempt of this launch died before its first checkpoint: start again, its rows set aside.
+        if (run_dir / "metrics.jsonl").exists():
+            os.replace(run_dir / "metrics.jsonl", run_dir / f"metrics.before-restart-{restart_count()}.jsonl")
+        return run_dir, None
     if (run_dir / "config.json").exists() or (run_dir / "metrics.jsonl").exists():
         raise RunError(
             f"{run_dir} already holds a run: pass --resume {run_dir} to continue it, or another --output-dir"
@@ -477,6 +536,10 @@ def init_run_dir(run_dir: Path, args: argparse.Namespace, config: dict, resume_s
             later = [r for r in rows if r["step"] > resume_step]
             if later:
                 side = run_dir / f"metrics.before-resume-at-{resume_step}.jsonl"
+                for n in range(2, 1000):  # resumed at this step before: keep that side file too
+                    if not side.exists():
+                        break
+                    side = run_dir / f"metrics.before-resume-at-{resume_step}.{n}.jsonl"
                 shutil.copy(metrics, side)
                 metrics.write_text("".join(json.dumps(r) + "\n" for r in rows if r["step"] <= resume_step))
         config = {**config, "resumed_from_step": resume_step}
@@ -550,20 +613,18 @@ def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, schedule
     dist.barrier()  # no rank goes on (or exits, with --stop-after) before the checkpoint is complete
 
 
-def load_sharded_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
-    """Resume from a `save_sharded_checkpoint` folder: each rank reads its own pieces, the scheduler and its own
-    RNG stream; the step it holds. The same world size only, since each rank continues its own RNG stream."""
+def load_sharded_checkpoint(ckpt: Path, model, optimizer, scheduler, any_world: bool = False) -> int:
+    """Resume from a `save_sharded_checkpoint` folder: each rank reads its own pieces, the scheduler and its RNG
+    stream; the step it holds. With `any_world` (FSDP) the ranks may be more or fewer than the ones that wrote it:
+    torch.distributed.checkpoint stores each tensor with its global offsets and reads back whatever pieces the
+    new sharding asks for (see `restore_rng` for what then differs)."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    rank, world = dist.get_rank(), dist.get_world_size()
     state = read_checkpoint_state(ckpt, ("sharded/.metadata", "scheduler.pt"))
-    if state.get("world_size") != world:
-        raise RunError(
-            f"{ckpt} was written by {state.get('world_size')} ranks; resume it with as many "
-            f"(torchrun --nproc_per_node=...), not {world}"
-        )
+    if not any_world:
+        check_same_world(ckpt, state, dist.get_world_size())
     model_state, optim_state = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
     pieces = {"model": model_state, "optimizer": optim_state}
     try:
@@ -579,8 +640,75 @@ def load_sharded_checkpoint(ckpt: Path, model, optimizer, scheduler) -> int:
         options=StateDictOptions(ignore_frozen_params=True, strict=False),
     )
     scheduler.load_state_dict(load_torch(ckpt / "scheduler.pt"))
-    set_rng_state(load_torch(ckpt / f"rng-rank{rank}.pt"))
+    restore_rng(ckpt, state, dist.get_rank(), dist.get_world_size())
     return int(state["step"])
+
+
+def save_rank_checkpoint(run_dir: Path, step: int, params: dict, optimizer, scheduler, seed: int, keep: int) -> None:
+    """Checkpoint `step` of a run whose ranks each hold their own slices as plain tensors (hand-rolled tensor
+    parallelism): every rank writes its trainable parameters (by name), its optimizer state and its RNG stream to
+    rank<r>.pt; once all have written, rank 0 adds the scheduler and commits the folder. A collective."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tmp = on_rank0(staging_dir, run_dir, step)
+    own = {
+        "params": {k: v.detach() for k, v in params.items()},
+        "optimizer": optimizer.state_dict(),
+        "rng": rng_state(),
+    }
+    torch.save(own, tmp / f"rank{rank}.pt")
+    dist.barrier()  # every rank's file is complete before rank 0 commits
+    if rank == 0:
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        commit_checkpoint(tmp, step, {"seed": seed, "world_size": world}, keep)
+    dist.barrier()  # no rank goes on (or exits, with --stop-after) before the checkpoint is complete
+
+
+def load_rank_checkpoint(ckpt: Path, params: dict, optimizer, scheduler) -> int:
+    """Resume from a `save_rank_checkpoint` folder: this rank's slices, optimizer state and RNG stream, the
+    scheduler; the step it holds. The same world size only: a rank's slices are 1/N of each projection."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    state = read_checkpoint_state(ckpt, ("scheduler.pt", f"rank{rank}.pt"))
+    check_same_world(ckpt, state, dist.get_world_size(), "each rank's file holds its 1/N slices")
+    own = load_torch(ckpt / f"rank{rank}.pt")
+    shapes = {k: tuple(v.shape) for k, v in own["params"].items()}
+    if shapes != {k: tuple(v.shape) for k, v in params.items()}:
+        raise CheckpointError(f"{ckpt}/rank{rank}.pt holds other tensors than this rank's trainable parameters")
+    with torch.no_grad():
+        for name, p in params.items():
+            p.copy_(own["params"][name])
+    optimizer.load_state_dict(own["optimizer"])
+    scheduler.load_state_dict(load_torch(ckpt / "scheduler.pt"))
+    set_rng_state(own["rng"])
+    return int(state["step"])
+
+
+def check_same_world(ckpt: Path, state: dict, world: int, why: str = "each rank continues its own shard") -> None:
+    if state.get("world_size") != world:
+        raise RunError(
+            f"{ckpt} was written by {state.get('world_size')} ranks; resume it with as many "
+            f"(torchrun --nproc_per_node={state.get('world_size')}), not {world}: {why}"
+        )
+
+
+def restore_rng(ckpt: Path, state: dict, rank: int, world: int) -> None:
+    """Each rank continues the RNG stream (the LoRA dropout masks) it had when the checkpoint was written. At
+    another world size the micro-batches are dealt to other ranks, so no saved stream matches this rank's work:
+    each rank then starts a stream of its own, seeded from (seed, step, rank). The dropout masks are then all that
+    differs from an uninterrupted run; without dropout, nothing does (tests/test_ddp.py, tests/test_fsdp.py)."""
+    if state.get("world_size") == world:
+        set_rng_state(load_torch(ckpt / f"rng-rank{rank}.pt"))
+        return
+    seed = int(hashlib.sha256(f"{state.get('seed')}-{state['step']}-{rank}".encode()).hexdigest()[:15], 16)
+    random.seed(seed)
+    torch.manual_seed(seed)  # the CPU and every CUDA device's generator
+    print0(
+        f"resuming on {world} ranks a checkpoint written by {state.get('world_size')}: the model, optimizer, "
+        "schedule and data order continue as they were; the dropout masks come from new RNG streams"
+    )
 
 
 def read_checkpoint_state(ckpt: Path, required: tuple[str, ...]) -> dict:

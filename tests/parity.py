@@ -69,8 +69,17 @@ class Launch:
         return "\n".join(parts)
 
 
-def torchrun(script: str, *flags: str, nproc: int = 2, timeout: float = 300) -> Launch:
-    """`python -m torch.distributed.run --standalone --nproc_per_node=N script flags`, from the repo root."""
+def torchrun(
+    script: str,
+    *flags: str,
+    nproc: int = 2,
+    timeout: float = 300,
+    max_restarts: int = 0,
+    meanwhile=None,
+    env: dict | None = None,
+) -> Launch:
+    """`python -m torch.distributed.run --standalone --nproc_per_node=N [--max-restarts=K] script flags`, from the
+    repo root. `meanwhile(proc)`, if given, runs while the launch does (e.g. `kill_rank_when`)."""
     # A fresh log folder per launch, next to the run directory when there is one.
     out = Path(flags[flags.index("--output-dir") + 1]) if "--output-dir" in flags else None
     parent = out.parent if out is not None else None
@@ -83,6 +92,7 @@ def torchrun(script: str, *flags: str, nproc: int = 2, timeout: float = 300) -> 
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
+        f"--max-restarts={max_restarts}",
         "--log-dir",
         str(log_dir),
         "--redirects",
@@ -90,13 +100,15 @@ def torchrun(script: str, *flags: str, nproc: int = 2, timeout: float = 300) -> 
         script,
         *flags,
     ]
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **(env or {})}
     start = time.monotonic()
     # A session of its own, so a launch that hangs can be stopped with every process it started.
     proc = subprocess.Popen(
         args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
     )
     try:
+        if meanwhile is not None:
+            meanwhile(proc)
         output, _ = proc.communicate(timeout=timeout)
         returncode = proc.returncode
     except subprocess.TimeoutExpired:
@@ -113,8 +125,36 @@ def torchrun(script: str, *flags: str, nproc: int = 2, timeout: float = 300) -> 
     return launch
 
 
+def kill_rank_when(rank: int, appears: Path, timeout: float = 240):
+    """A `meanwhile` for `torchrun`: once the path `appears` exists, SIGKILL the worker process of `rank` (found by
+    the RANK variable torchrun sets in each worker's environment), as a crashed GPU or node would end it."""
+
+    def kill(proc: subprocess.Popen) -> None:
+        deadline = time.monotonic() + timeout
+        while not appears.exists():
+            assert proc.poll() is None, f"the launch ended before {appears} appeared"
+            assert time.monotonic() < deadline, f"{appears} did not appear within {timeout} s"
+            time.sleep(0.02)
+        workers = [p for p in Path("/proc").iterdir() if p.name.isdigit() and _is_worker(p, proc.pid, rank)]
+        assert len(workers) == 1, f"rank {rank}: found worker processes {[p.name for p in workers]}"
+        os.kill(int(workers[0].name), signal.SIGKILL)
+
+    return kill
+
+
+def _is_worker(proc_dir: Path, agent_pid: int, rank: int) -> bool:
+    """Whether /proc/<pid> is a worker of the torchrun agent `agent_pid` running `rank`."""
+    try:
+        ppid = int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
+        env = (proc_dir / "environ").read_bytes().split(b"\0")
+    except (OSError, ValueError, IndexError):
+        return False  # gone meanwhile, or not ours to read
+    return ppid == agent_pid and f"RANK={rank}".encode() in env
+
+
 def _rank_logs(log_dir: Path) -> dict[int, dict[str, str]]:
-    """torchrun writes <log-dir>/<run id>/attempt_<k>/<local rank>/{stdout,stderr}.log."""
+    """torchrun writes <log-dir>/<run id>/attempt_<k>/<local rank>/{stdout,stderr}.log; the last attempt's are
+    kept (attempts sort in order)."""
     ranks: dict[int, dict[str, str]] = {}
     for path in sorted(log_dir.glob("*/attempt_*/*/std*.log")):
         ranks.setdefault(int(path.parent.name), {})[path.stem] = path.read_text(errors="replace")

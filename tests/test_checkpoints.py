@@ -54,3 +54,72 @@ def test_a_corrupt_file_is_reported_as_corrupt(tmp_path):
     (tmp_path / "rng.pt").write_bytes(b"garbage")
     with pytest.raises(run.CheckpointError, match="corrupt or unreadable"):
         run.load_torch(tmp_path / "rng.pt")
+
+
+# ---- torchrun --max-restarts: what a restarted worker group decides about its run directory (run.follow_restart,
+# run.resolve_run_dir), with the variables torchrun sets. tests/test_ddp.py kills real ranks.
+
+
+def restarted_args(monkeypatch, output_dir, restart: int, run_id: str = "launch-1"):
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # torchrun under TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    args = run.common_parser("test", experiment="ddp-ft").parse_args(
+        ["--smoke", "--output-dir", str(output_dir), "--max-steps", "6"]
+    )
+    return args
+
+
+def earlier_attempt(run_dir: pathlib.Path, run_id: str, checkpoint_step: int | None) -> None:
+    """What the first attempt of launch `run_id` left: config.json, two metric rows, maybe a checkpoint, and a
+    half-written checkpoint after it."""
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.json").write_text(
+        '{"args": {"experiment": "ddp-ft", "smoke": true, "max_steps": 6, "seed": 0}, '
+        f'"launch": {{"torchelastic_run_id": "{run_id}", "restart": 0}}}}'
+    )
+    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    if checkpoint_step is not None:
+        ckpt = run_dir / "checkpoints" / f"step-{checkpoint_step}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text(f'{{"step": {checkpoint_step}}}')
+    (run_dir / "checkpoints" / ".tmp-step-4").mkdir(parents=True)  # written when the rank died: never picked
+
+
+def test_max_restarts_needs_a_run_directory(monkeypatch, tmp_path):
+    args = restarted_args(monkeypatch, tmp_path, restart=0)
+    args.output_dir = None
+    with pytest.raises(run.RunError, match="--output-dir DIR"):
+        run.follow_restart(args)
+
+
+def test_max_restarts_needs_a_fresh_store_for_each_restart(monkeypatch, tmp_path):
+    args = restarted_args(monkeypatch, tmp_path, restart=0)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # torchrun's default: one store for every attempt
+    with pytest.raises(run.RunError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 uv run torchrun --max-restarts=3"):
+        run.follow_restart(args)
+
+
+def test_a_restarted_group_continues_from_its_newest_complete_checkpoint(monkeypatch, tmp_path):
+    earlier_attempt(tmp_path / "r", "launch-1", checkpoint_step=2)
+    args = run.resolve(restarted_args(monkeypatch, tmp_path / "r", restart=1))
+    assert args.resume == str(tmp_path / "r")
+    assert run.resolve_run_dir(args) == ((tmp_path / "r").resolve(), (tmp_path / "r/checkpoints/step-2").resolve())
+
+
+def test_a_group_restarted_before_any_checkpoint_starts_again_and_keeps_the_old_rows(monkeypatch, tmp_path):
+    earlier_attempt(tmp_path / "r", "launch-1", checkpoint_step=None)
+    args = run.resolve(restarted_args(monkeypatch, tmp_path / "r", restart=1))
+    assert args.resume is None
+    assert run.resolve_run_dir(args) == (tmp_path / "r", None)
+    assert (tmp_path / "r" / "metrics.before-restart-1.jsonl").read_text().count("step") == 2
+    assert not (tmp_path / "r" / "metrics.jsonl").exists()
+
+
+def test_a_restart_never_takes_over_a_run_another_launch_started(monkeypatch, tmp_path):
+    earlier_attempt(tmp_path / "r", "another-launch", checkpoint_step=2)
+    args = run.resolve(restarted_args(monkeypatch, tmp_path / "r", restart=1))
+    assert args.resume is None
+    with pytest.raises(run.RunError, match="already holds a run"):
+        run.resolve_run_dir(args)

@@ -5,6 +5,7 @@ inference on the adapter, and bad input refused on every rank."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import parity
 import pytest
@@ -139,17 +140,76 @@ def test_ddp_knobs_and_misconfigurations_change_no_math(request, tmp_path_factor
         assert all(r["comm"]["all_reduce"]["count"] == 56 for r in rows[1:]), [r["comm"] for r in rows]
 
 
-def test_resume_continues_with_the_same_losses(accum, tmp_path_factory, data_dir):
-    out = tmp_path_factory.mktemp("ddp") / "resumed"
-    first = parity.torchrun(TRAIN, *flags(data_dir, 8), "--output-dir", str(out), "--stop-after", "3")
+# Dropout draws random masks in every step, on every rank: a resume or restart that lost a rank's RNG stream would
+# change the losses, where without dropout (--smoke's default) it would go unnoticed.
+DROPOUT = ("--lora-dropout", "0.1")
+# What --max-restarts needs (ftkit/run.py, follow_restart): a fresh rendezvous store for each restart.
+RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+@pytest.fixture(scope="module")
+def dropout(tmp_path_factory, data_dir):
+    return launch(tmp_path_factory, "dropout", *flags(data_dir, 8, *DROPOUT))
+
+
+def continued_as_uninterrupted(out, uninterrupted: parity.Launch, tol: float = 1e-6) -> None:
+    assert [r["step"] for r in parity.metrics(out)] == list(range(1, STEPS + 1))
+    assert parity.compare_losses(out, uninterrupted.run_dir) <= tol
+    assert parity.compare_adapters(out / "adapter", uninterrupted.run_dir / "adapter") <= tol
+
+
+def test_resume_continues_with_the_same_losses(dropout, tmp_path, data_dir):
+    """--stop-after 3, then the command it prints: the same per-step losses and adapter as the uninterrupted run."""
+    out = tmp_path / "resumed"
+    first = parity.torchrun(TRAIN, *flags(data_dir, 8, *DROPOUT), "--output-dir", str(out), "--stop-after", "3")
     assert first.returncode == 0, first.report()
     assert not (out / "adapter").exists() and (out / "checkpoints" / "step-3").is_dir()
-    second = parity.torchrun(TRAIN, *flags(data_dir, 8), "--resume", str(out), "--output-dir", str(out))
+    assert f"experiments/ddp-ft/train.py --resume {out}" in first.ranks[0]["stdout"], first.report()
+    second = parity.torchrun(TRAIN, "--resume", str(out), "--output-dir", str(out))
     assert second.returncode == 0, second.report()
     assert "resumed from" in second.ranks[0]["stdout"]
-    assert [r["step"] for r in parity.metrics(out)] == list(range(1, STEPS + 1))
-    assert parity.compare_losses(out, accum.run_dir) <= 1e-6
-    assert parity.compare_adapters(out / "adapter", accum.run_dir / "adapter") <= 1e-6
+    continued_as_uninterrupted(out, dropout)
+
+
+def test_resume_on_another_number_of_ranks(accum, tmp_path):
+    """The replicas are whole, so a run continues on any number of ranks: the 2-rank run's step-3 checkpoint,
+    resumed on 1 rank (4 micro-batches accumulated instead of 2 on each of 2 ranks), gives the same losses and
+    adapter up to summation order. Without dropout: new RNG streams (stated in the output) are what differs."""
+    out = tmp_path / "one-rank"
+    shutil.copytree(accum.run_dir, out)
+    shutil.rmtree(out / "adapter")  # what the resumed run writes, compared below
+    run = parity.torchrun(TRAIN, "--resume", str(out / "checkpoints" / "step-3"), "--output-dir", str(out), nproc=1)
+    assert run.returncode == 0, run.report()
+    assert "written by 2: the model, optimizer, schedule and data order continue" in run.ranks[0]["stdout"]
+    assert json.loads((out / "config.json").read_text())["hardware"]["world_size"] == 1
+    continued_as_uninterrupted(out, accum, tol=parity.LOSS_TOL)
+
+
+def test_a_killed_rank_costs_at_most_one_checkpoint_interval(dropout, tmp_path, data_dir):
+    """Under torchrun --max-restarts=1, rank 1 is SIGKILLed once the step-3 checkpoint exists: torchrun restarts
+    the group with the same command, which continues from step 3 by itself, and the run ends as if uninterrupted."""
+    out = tmp_path / "killed"
+    kill = parity.kill_rank_when(1, out / "checkpoints" / "step-3" / "trainer_state.json")
+    run = parity.torchrun(
+        TRAIN, *flags(data_dir, 8, *DROPOUT), "--output-dir", str(out), max_restarts=1, meanwhile=kill, env=RESTARTABLE
+    )
+    assert run.returncode == 0, run.report()
+    config = json.loads((out / "config.json").read_text())
+    assert config["launch"]["restart"] == 1 and config["resumed_from_step"] == 3, config
+    assert [r.get("restart", 0) for r in parity.metrics(out)] == [0, 0, 0, 1, 1, 1]
+    continued_as_uninterrupted(out, dropout)
+
+
+def test_a_checkpoint_being_written_when_a_rank_dies_is_never_loaded(dropout, tmp_path, data_dir):
+    """Rank 0 is SIGKILLed with every file of the step-6 checkpoint written but before it is committed
+    (tests/kill_at_commit.py): the restarted group resumes from step 3, not from the half-made step 6."""
+    out = tmp_path / "killed-while-saving"
+    args = ("6", TRAIN, *flags(data_dir, 8, *DROPOUT), "--output-dir", str(out))
+    run = parity.torchrun("tests/kill_at_commit.py", *args, max_restarts=1, env=RESTARTABLE)
+    assert run.returncode == 0, run.report()
+    assert json.loads((out / "config.json").read_text())["resumed_from_step"] == 3
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3", "step-6"]
+    continued_as_uninterrupted(out, dropout)
 
 
 def test_infer_on_the_ddp_adapter(accum):

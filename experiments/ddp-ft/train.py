@@ -160,14 +160,10 @@ def main() -> None:
 
     # ---- resume: adapter, optimizer, scheduler and each rank's RNG; the data position is the step itself.
     # Every rank reads the checkpoint rank 0 wrote, so a multi-node run needs the run directory on shared storage.
+    # The replicas are whole, so any number of ranks can continue a run (only the dropout RNG streams then differ).
     start_step = 0
     if resume_from is not None:
         state = run.read_checkpoint_state(resume_from, ("adapter/adapter_model.safetensors", "optimizer.pt"))
-        if state.get("world_size") != world:  # each rank continues its own RNG stream
-            raise run.RunError(
-                f"{resume_from} was written by {state.get('world_size')} ranks; resume it with as many "
-                f"(torchrun --nproc_per_node=...), not {world}"
-            )
         try:
             weights = safetensors.torch.load_file(resume_from / "adapter" / "adapter_model.safetensors")
         except Exception as e:
@@ -176,7 +172,7 @@ def main() -> None:
         opt = run.load_torch(resume_from / "optimizer.pt", map_location=device)
         optimizer.load_state_dict(opt["optimizer"])
         scheduler.load_state_dict(opt["scheduler"])
-        run.set_rng_state(run.load_torch(resume_from / f"rng-rank{rank}.pt"))
+        run.restore_rng(resume_from, state, rank, world)
         start_step = state["step"]
         run.print0(f"resumed from {resume_from} at step {start_step}")
 

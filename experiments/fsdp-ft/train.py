@@ -253,7 +253,7 @@ def main() -> None:
     # torch.distributed.checkpoint), the scheduler and each rank's RNG; the data position is the step itself.
     start_step = 0
     if resume_from is not None:
-        start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler)
+        start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler, any_world=True)
         run.print0(f"resumed from {resume_from} at step {start_step}")
 
     hardware = metrics.hardware(device, world_size=world)

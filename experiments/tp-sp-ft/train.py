@@ -53,12 +53,7 @@ def parse_args():
         action="store_true",
         help="after training, write the logits of the first eval micro-batch to logits.pt (for a one-device check)",
     )
-    args = p.parse_args()
-    asked = [k for k in ("resume", "stop_after", "save_every", "keep_checkpoints") if k in args.explicit_flags]
-    if asked:
-        flags = ", ".join("--" + k.replace("_", "-") for k in asked)
-        raise run.RunError(f"tp-sp-ft does not checkpoint yet, so {flags} cannot work: run it to the end")
-    return run.resolve(args)
+    return run.resolve(p.parse_args())
 
 
 # ---- the collectives. The flat *_tensor collectives concatenate / split along dim 0, so the sequence dim (1 of
@@ -335,7 +330,7 @@ def main() -> None:
     # TP does not split the batch: data-parallel degree 1, every rank runs every micro-batch.
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
     dtype = run.torch_dtype(args.dtype)
-    run_dir, _ = run.on_rank0(run.resolve_run_dir, args)
+    run_dir, resume_from = run.on_rank0(run.resolve_run_dir, args)
 
     # ---- data: every rank builds the same global batches and runs all of them (rank 0 of a world of 1).
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
@@ -369,11 +364,20 @@ def main() -> None:
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+    # ---- resume: each rank reads back its own slices, their optimizer state and its RNG (rank<r>.pt)
+    lora = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    start_step = 0
+    if resume_from is not None:
+        start_step = run.load_rank_checkpoint(resume_from, lora, optimizer, scheduler)
+        run.print0(f"resumed from {resume_from} at step {start_step}")
 
     hardware = metrics.hardware(device, world_size=tp)
     run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum, tensor_parallel=tp)
-    run.on_rank0(run.init_run_dir, run_dir, args, run_config, resume_step=None)
-    log = metrics.MetricsLog(run_dir, rank=rank, total_steps=args.max_steps, progress=args.progress)
+    resume_step = start_step if resume_from is not None else None
+    run.on_rank0(run.init_run_dir, run_dir, args, run_config, resume_step=resume_step)
+    log = metrics.MetricsLog(
+        run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
+    )
     peak = metrics.peak_flops(device)
     recorder = comm.CommRecorder(device)
 
@@ -389,9 +393,10 @@ def main() -> None:
 
     # ---- train
     model.train()
-    profiler = StepProfiler(args.profile_steps, run_dir, device, rank)
+    last_step = args.stop_after or args.max_steps
+    profiler = StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step)
     with profiler:
-        for step in range(args.max_steps):
+        for step in range(start_step, last_step):
             metrics.reset_peak_memory(device)
             n_target = batches.n_target(step)  # the whole global batch's target tokens, on every rank
             loss_sum = torch.zeros((), device=device)
@@ -457,23 +462,29 @@ def main() -> None:
                 sums = run.eval_loss_sums(model, eval_batches, device)  # the same on every rank
                 row["eval_loss"] = (sums[0] / sums[1]).item()
             log.log(row)
+            if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
+                run.save_rank_checkpoint(
+                    run_dir, step + 1, lora, optimizer, scheduler, args.seed, args.keep_checkpoints
+                )
             profiler.step(step + 1)
     log.close()
 
     # ---- save: the shards reassembled into one stock PEFT adapter, and optionally the merged model
-    adapter = full_lora(model, group)
-    if args.dump_logits:
+    finished = last_step == args.max_steps
+    adapter = full_lora(model, group) if finished else None
+    if args.dump_logits and finished:
         run.dump_logits(model, eval_batches[0], device, run_dir / "logits.pt", rank)
     if rank != 0:
         return
-    run.save_adapter(run_dir / "adapter", adapter, peft_config)
-    if args.merge:
+    if finished:
+        run.save_adapter(run_dir / "adapter", adapter, peft_config)
+    if args.merge and finished:
         models.merge_adapter(args.model, args.seed, run_dir / "adapter", run_dir / "merged", len(tokenizer), dtype)
     summary = metrics.run_summary(
         run_config,
         log,
         run_dir=run_dir,
-        last_step=args.max_steps,
+        last_step=last_step,
         peak=peak,
         predicted=metrics.predicted_memory(config, args, "tp-sp" if args.sequence_parallel else "tp", world_size=tp),
         note=metrics.memory_note(device),
@@ -492,7 +503,7 @@ def main() -> None:
         activations_measured={**measured, "tokens": measured_tokens},
     )
     run.write_summary(run_dir, summary)
-    run.report_end(args, run_dir, finished=True)
+    run.report_end(args, run_dir, finished)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,27 @@
+"""Run a train.py (under torchrun) with rank 0 killed, SIGKILL, at the moment it would commit checkpoint STEP, in
+torchrun's first attempt only: what a node failing in the middle of writing a checkpoint leaves behind (every file
+of the checkpoint written, except the one that marks it complete).
+
+    torchrun --max-restarts=1 ... tests/kill_at_commit.py STEP experiments/<experiment>/train.py <its flags>
+"""
+
+import os
+import runpy
+import signal
+import sys
+
+from ftkit import run
+
+step, script = int(sys.argv[1]), sys.argv[2]
+commit = run.commit_checkpoint
+
+
+def dying_commit(tmp, at_step, state, keep):
+    if at_step == step and run.restart_count() == 0:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return commit(tmp, at_step, state, keep)
+
+
+run.commit_checkpoint = dying_commit
+sys.argv = [script, *sys.argv[3:]]
+runpy.run_path(script, run_name="__main__")
