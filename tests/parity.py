@@ -216,3 +216,31 @@ def host_syncs(run_dir: Path, save_every: int) -> list[int]:
     counts = [r["host_syncs"] for r, after in zip(rows, after_checkpoint) if "eval_loss" not in r and not after]
     assert counts, "no plain training step to count (every step evaluated or followed a checkpoint)"
     return counts
+
+
+def infer_with_a_loud_adapter(script: str, run_dir: Path, tmp: Path, *extra: str) -> dict:
+    """Run an experiment's infer.py on a copy of `run_dir` whose adapter's lora_B matrices are replaced by N(0, 1)
+    draws, far from a few steps' training: the base column must then differ from the finetuned one in every example,
+    which a script that generated both columns from the base model (or both with the adapter) would fail. The copy
+    keeps the technique's own adapter files (names, config), so their loading is what runs. Returns infer-test.json."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    copy = tmp / f"{run_dir.name}-loud"
+    shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("checkpoints", "profile", "merged"))
+    weights = load_file(copy / "adapter" / "adapter_model.safetensors")
+    generator = torch.Generator().manual_seed(0)
+    for key, t in weights.items():
+        if "lora_B" in key:
+            weights[key] = torch.randn(t.shape, generator=generator).to(t.dtype)
+    save_file(weights, copy / "adapter" / "adapter_model.safetensors")
+    proc = run_script(script, "--smoke", "--run", str(copy), "--num-examples", "2", "--max-new-tokens", "8", *extra)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "ROUGE F1" in proc.stdout
+    result = json.loads((copy / "infer-test.json").read_text())
+    assert len(result["examples"]) == 2 and set(result["rouge"]) == {"base", "finetuned"}
+    assert all(e["reference"] for e in result["examples"])
+    assert all(e["base"] != e["finetuned"] for e in result["examples"]), result["examples"]
+    return result

@@ -212,12 +212,8 @@ def test_a_checkpoint_being_written_when_a_rank_dies_is_never_loaded(dropout, tm
     continued_as_uninterrupted(out, dropout)
 
 
-def test_infer_on_the_ddp_adapter(accum):
-    proc = run_script(INFER, "--smoke", "--run", str(accum.run_dir), "--num-examples", "2", "--max-new-tokens", "8")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ROUGE F1" in proc.stdout
-    result = json.loads((accum.run_dir / "infer-test.json").read_text())
-    assert len(result["examples"]) == 2 and set(result["rouge"]) == {"base", "finetuned"}
+def test_infer_on_the_ddp_adapter(accum, tmp_path):
+    parity.infer_with_a_loud_adapter(INFER, accum.run_dir, tmp_path)
 
 
 @pytest.mark.parametrize(

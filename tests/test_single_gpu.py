@@ -7,6 +7,7 @@ import gzip
 import json
 import shutil
 
+import parity
 import pytest
 import torch
 from conftest import run_script
@@ -129,13 +130,8 @@ def test_adapter_loads_with_stock_peft(full_run, data_dir):
     assert any(t.abs().sum() > 0 for k, t in saved.items() if "lora_B" in k)  # trained, not the zero init
 
 
-def test_infer_reports_rouge_for_base_and_finetuned(full_run):
-    proc = run_script(INFER, "--smoke", "--run", str(full_run), "--num-examples", "2", "--max-new-tokens", "8")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "ROUGE F1" in proc.stdout
-    result = json.loads((full_run / "infer-test.json").read_text())
-    assert len(result["examples"]) == 2 and set(result["rouge"]) == {"base", "finetuned"}
-    assert all(e["reference"] for e in result["examples"])
+def test_infer_reports_rouge_for_base_and_finetuned(full_run, tmp_path):
+    parity.infer_with_a_loud_adapter(INFER, full_run, tmp_path)
 
 
 def test_no_cuda_without_smoke_is_refused():
@@ -192,8 +188,6 @@ def test_corrupt_checkpoint_is_refused(full_run, tmp_path, data_dir):
 
 
 def test_no_host_sync_per_micro_batch(full_run):
-    import parity
-
     counts = parity.host_syncs(full_run, save_every=5)
     print(f"host syncs per plain step {counts}")
     assert max(counts) <= parity.MAX_HOST_SYNCS
