@@ -28,7 +28,21 @@ from ftkit import data, models, run
 SCRIPTS = ["ddp-ft", "fsdp-ft", "tp-ft", "tp-sp-ft", "pp-ft"]
 WORLD = 2
 # The real functions, before any test patches them.
-REAL = {"init_process_group": dist.init_process_group, "fetch": models.fetch, "load_splits": data.load_splits}
+REAL = {
+    "init_process_group": dist.init_process_group,
+    "fetch": models.fetch,
+    "load_splits": data.load_splits,
+    "encode_data": run.encode_data,
+}
+_encoded: dict = {}
+
+
+def encoded_once(args, splits):
+    """Every rank and script here encodes the same data with the same tokenizer and length: once per session."""
+    key = (args.model, args.data, args.max_length)
+    if key not in _encoded:
+        _encoded[key] = REAL["encode_data"](args, splits)
+    return _encoded[key]
 
 
 class Reached(Exception):
@@ -59,6 +73,7 @@ def run_rank(script: str, rank: int, flags: list[str], monkeypatch) -> dict:
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     monkeypatch.setattr(models, "fetch", traced("fetch"))
     monkeypatch.setattr(data, "load_splits", traced("load_splits"))
+    monkeypatch.setattr(run, "encode_data", encoded_once)
     # The fake group carries no data, so rank 0's broadcast of the run directory cannot reach rank 1: each rank
     # computes it itself here (nothing is written before the model is built).
     monkeypatch.setattr(run, "on_rank0", lambda fn, *a, **k: fn(*a, **k))

@@ -7,6 +7,7 @@ TP degree that does not divide the KV heads refused before the model loads."""
 from __future__ import annotations
 
 import json
+import shutil
 from types import SimpleNamespace
 
 import parity
@@ -306,20 +307,35 @@ def test_no_host_sync_per_micro_batch(request, run_name):
 DROPOUT = ("--lora-dropout", "0.1")
 
 
-@pytest.mark.parametrize("script", [TP_TRAIN, SP_TRAIN])
-def test_stop_and_resume_give_the_uninterrupted_run(tmp_path, data_dir, script):
-    """--stop-after 2, then the command it prints: the same per-step losses and adapter as the uninterrupted run.
-    tp-ft's DTensor shards, replicated adapters and AdamW state go through torch.distributed.checkpoint; tp-sp-ft's
-    plain per-rank slices through one file per rank (run.save_rank_checkpoint)."""
-    whole = parity.torchrun(script, *flags(data_dir, *DROPOUT), "--output-dir", str(tmp_path / "whole"))
+def resumed_equals_uninterrupted(script: str, tmp_path, data_dir, stop: bool) -> None:
+    """An uninterrupted run with LoRA dropout 0.1, and the same run continued from its step-2 checkpoint: either
+    stopped there (--stop-after 2) and continued with the command it prints, or a copy resumed from the uninterrupted
+    run's own checkpoint. The per-step losses and the adapter must be the same."""
+    whole_flags = flags(data_dir, *DROPOUT, "--save-every", "2")
+    whole = parity.torchrun(script, *whole_flags, "--output-dir", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.report()
     out = tmp_path / "resumed"
-    first = parity.torchrun(script, *flags(data_dir, *DROPOUT), "--output-dir", str(out), "--stop-after", "2")
-    assert first.returncode == 0, first.report()
-    assert not (out / "adapter").exists() and (out / "checkpoints" / "step-2" / "trainer_state.json").exists()
-    assert f"{script} --resume {out}" in first.ranks[0]["stdout"], first.report()
-    second = parity.torchrun(script, "--resume", str(out))
+    if stop:
+        first = parity.torchrun(script, *flags(data_dir, *DROPOUT), "--output-dir", str(out), "--stop-after", "2")
+        assert first.returncode == 0, first.report()
+        assert not (out / "adapter").exists() and (out / "checkpoints" / "step-2" / "trainer_state.json").exists()
+        assert f"{script} --resume {out}" in first.ranks[0]["stdout"], first.report()
+        second = parity.torchrun(script, "--resume", str(out))
+    else:
+        shutil.copytree(whole.run_dir, out, ignore=shutil.ignore_patterns("adapter", "summary.json"))
+        second = parity.torchrun(script, "--resume", str(out / "checkpoints" / "step-2"), "--output-dir", str(out))
     assert second.returncode == 0, second.report()
     assert [r["step"] for r in parity.metrics(out)] == list(range(1, STEPS + 1))
     assert parity.compare_losses(out, whole.run_dir) <= 1e-6
     assert parity.compare_adapters(out / "adapter", whole.run_dir / "adapter") <= 1e-6
+
+
+def test_tp_ft_resumes_the_uninterrupted_run(tmp_path, data_dir):
+    """DTensor shards, replicated adapters and AdamW state through torch.distributed.checkpoint."""
+    resumed_equals_uninterrupted(TP_TRAIN, tmp_path, data_dir, stop=False)
+
+
+def test_tp_sp_ft_stops_and_resumes_as_the_uninterrupted_run(tmp_path, data_dir):
+    """The hand-rolled slices through one file per rank (run.save_rank_checkpoint), via --stop-after 2 and the
+    printed --resume command."""
+    resumed_equals_uninterrupted(SP_TRAIN, tmp_path, data_dir, stop=True)
