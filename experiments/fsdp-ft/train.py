@@ -126,6 +126,44 @@ def fsdp_units(model, wrap_class: str) -> list[torch.nn.Module]:
     return [m for m in model.modules() if type(m).__name__ == wrap_class]
 
 
+def shard_model(model, args, device: torch.device, world: int) -> list[torch.nn.Module]:
+    """FSDP2: one unit per decoder layer (--wrap-class), then the root (embeddings, final norm, the tied lm_head);
+    returns the layer units. `model` is built and PEFT-wrapped, on any device (the meta device included: sharding
+    only splits shapes). ftkit.realscale runs this same function on fake tensors at Qwen3-4B's shape."""
+    # Sharding after PEFT wrapping puts each layer's frozen base weights and its trainable LoRA matrices in one unit:
+    # FSDP2 shards each parameter on its own (a DTensor per parameter), so mixed requires_grad is fine, and it
+    # only demands one dtype among the *trainable* parameters of a unit (the fp32 adapters; the frozen bf16 base
+    # may differ). MixedPrecisionPolicy's roles: param_dtype is what the all-gather sends and the layer
+    # computes in, reduce_dtype what the gradient reduce-scatter sends, output_dtype a cast of each unit's
+    # outputs; the optimizer always steps the sharded originals (fp32 adapters).
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
+    policy = MixedPrecisionPolicy(
+        param_dtype=run.torch_dtype(args.param_dtype),
+        reduce_dtype=run.torch_dtype(args.reduce_dtype),
+        output_dtype=run.torch_dtype(args.output_dtype) if args.output_dtype else None,
+    )
+    fsdp_kwargs = {"mesh": mesh, "mp_policy": policy}
+    if args.cpu_offload:
+        fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
+    units = fsdp_units(model, args.wrap_class)
+    if not units:
+        run.print0(
+            f"warning: no module of class {args.wrap_class}: the root unit holds (and all-gathers) the whole model"
+        )
+    for unit in units:
+        fully_shard(unit, reshard_after_forward=args.reshard_after_forward, **fsdp_kwargs)
+    # The root, left at FSDP2's default for it: not resharded after forward, since backward starts with it (the
+    # lm_head) right away. With reshard_after_forward=True it would be all-gathered twice per micro-step.
+    fully_shard(model, **fsdp_kwargs)
+    if args.prefetch > 1:
+        # Issue the all-gathers of the next k layers while this one runs (forward) or of the previous k (backward):
+        # more overlap, k+1 layers unsharded at once instead of 2.
+        for i, unit in enumerate(units):
+            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + args.prefetch])
+            unit.set_modules_to_backward_prefetch(units[max(0, i - args.prefetch) : i][::-1])
+    return units
+
+
 def main() -> None:
     args = parse_args()
     # ---- process group: torchrun starts one process per GPU and tells each its rank (RANK, LOCAL_RANK,
@@ -193,38 +231,9 @@ def main() -> None:
     run.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
     full_weights = model.state_dict() if rank == 0 else {}
 
-    # ---- FSDP2: one unit per decoder layer, then the root (embeddings, final norm, the tied lm_head). Sharding
-    # after PEFT wrapping puts each layer's frozen base weights and its trainable LoRA matrices in one unit:
-    # FSDP2 shards each parameter on its own (a DTensor per parameter), so mixed requires_grad is fine, and it
-    # only demands one dtype among the *trainable* parameters of a unit (the fp32 adapters; the frozen bf16 base
-    # may differ). MixedPrecisionPolicy's roles: param_dtype is what the all-gather sends and the layer
-    # computes in, reduce_dtype what the gradient reduce-scatter sends, output_dtype a cast of each unit's
-    # outputs; the optimizer always steps the sharded originals (fp32 adapters).
-    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
-    policy = MixedPrecisionPolicy(
-        param_dtype=run.torch_dtype(args.param_dtype),
-        reduce_dtype=run.torch_dtype(args.reduce_dtype),
-        output_dtype=run.torch_dtype(args.output_dtype) if args.output_dtype else None,
-    )
-    fsdp_kwargs = {"mesh": mesh, "mp_policy": policy}
-    if args.cpu_offload:
-        fsdp_kwargs["offload_policy"] = CPUOffloadPolicy()
-    units = fsdp_units(model, args.wrap_class)
-    if not units:
-        run.print0(
-            f"warning: no module of class {args.wrap_class}: the root unit holds (and all-gathers) the whole model"
-        )
-    for unit in units:
-        fully_shard(unit, reshard_after_forward=args.reshard_after_forward, **fsdp_kwargs)
-    # The root, left at FSDP2's default for it: not resharded after forward, since backward starts with it (the
-    # lm_head) right away. With reshard_after_forward=True it would be all-gathered twice per micro-step.
-    fully_shard(model, **fsdp_kwargs)
-    if args.prefetch > 1:
-        # Issue the all-gathers of the next k layers while this one runs (forward) or of the previous k (backward):
-        # more overlap, k+1 layers unsharded at once instead of 2.
-        for i, unit in enumerate(units):
-            unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + args.prefetch])
-            unit.set_modules_to_backward_prefetch(units[max(0, i - args.prefetch) : i][::-1])
+    # ---- FSDP2 (shard_model, above): every parameter becomes this rank's 1/N shard (a DTensor), on the meta
+    # device too, where only the shapes are split.
+    units = shard_model(model, args, device, world)
     if rank != 0:
         # Storage for the shards (and the RoPE buffers, recomputed below): offloaded shards live in host memory.
         model.to_empty(device="cpu" if args.cpu_offload else device)

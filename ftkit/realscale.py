@@ -1,0 +1,518 @@
+"""Qwen3-4B at real scale without a GPU: one rank's training step on fake tensors, its memory and FLOPs tracked.
+
+    uv run python -m ftkit.realscale --technique fsdp --world 8 --json
+    uv run python -m ftkit.realscale --technique single --no-grad-checkpointing
+
+Under `FakeTensorMode` a tensor has a shape, a dtype and a device but no storage, and the `fake` process-group
+backend lets this one process play rank 0 of a world of --world ranks (its collectives return at once). So the
+real step runs here at Qwen3-4B's exact shape (`qwen3-4b-shape`): the model built by `ftkit.models` as the
+scripts build it, parallelised by the scripts' own code (FSDP2 through experiments/fsdp-ft/train.py's
+`shard_model`), two optimizer steps of the scripts' default configuration (their own parsers give the flags and
+defaults), on a synthetic batch of full-length sequences. Measured on rank 0:
+
+- peak bytes by category, from PyTorch's memory trackers (`MemTracker`; `FSDPMemTracker` for FSDP), beside
+  `ftkit.memory`'s prediction for the same configuration (as the scripts' summaries call it, at the batch's
+  answer positions);
+- FLOPs per optimizer step from `torch.utils.flop_counter.FlopCounterMode`, without activation checkpointing's
+  recompute (`flops_counted`, what the MFU convention counts) and with it, beside the convention's formula
+  (`ftkit.metrics.step_flops`), by component;
+- the fraction of matmul FLOPs (matmuls and attention) whose operands are bf16.
+
+These are tracked on fake tensors at Qwen3-4B's shape: they exclude the CUDA context, NCCL buffers and allocator
+fragmentation, and the tensors live on the CPU device (faking CUDA fails at FSDP2's CUDA streams), so CPU-only
+choices (the SDPA kernel, autocast's CPU op lists) stand in for CUDA's; `stand_ins` in the output lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+from unittest import mock
+
+import torch
+
+from ftkit import data, memory, metrics, models, run
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = {"single": "single-gpu-ft", "ddp": "ddp-ft", "fsdp": "fsdp-ft"}
+NOT_YET = ("tp", "tp-sp", "pp")
+LABEL = (
+    "tracked on fake tensors at Qwen3-4B's shape; excludes the CUDA context, NCCL buffers and allocator fragmentation"
+)
+# The answer positions per sequence of the synthetic batch (the lm_head runs on those only): the most the
+# committed H100 runs on AMI met in a micro-batch was 191 (devlogs/runs/single-gpu-ft-gpu/memory-check-*.md).
+ANSWER_TOKENS = 256
+# The common flags this command passes on to the script's own parser (a flag not given takes the script's default).
+PASSED_ON = ("micro_batch_size", "max_length", "batch_size", "lora_rank", "lora_alpha", "lora_dropout")
+
+
+DDP_BUCKETS = "DDP gradient buckets (stand-in)"
+
+
+class RealScaleError(RuntimeError):
+    """A configuration this command cannot run; the message says why."""
+
+
+def load_script(technique: str):
+    """experiments/<technique>-ft/train.py as a module, so its own functions (parser, sharding) run here."""
+    path = ROOT / "experiments" / SCRIPTS[technique] / "train.py"
+    if not path.exists():
+        raise RealScaleError(f"{path} not found: ftkit.realscale runs the experiment scripts of a repository checkout")
+    spec = importlib.util.spec_from_file_location(f"{SCRIPTS[technique].replace('-', '_')}_train", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
+    p.add_argument("--technique", required=True, choices=[*SCRIPTS, *NOT_YET])
+    p.add_argument("--world", type=int, default=1, help="ranks; this process plays rank 0")
+    g = p.add_argument_group("the scripts' common flags [default: the script's own default for Qwen3-4B]")
+    g.add_argument("--micro-batch-size", type=int, default=None)
+    g.add_argument("--max-length", type=int, default=None, help="tokens per sequence; every sequence is this long")
+    g.add_argument("--batch-size", type=int, default=None, help="global batch; sets the accumulation steps")
+    g.add_argument("--lora-rank", type=int, default=None)
+    g.add_argument("--lora-alpha", type=float, default=None)
+    g.add_argument("--lora-dropout", type=float, default=None)
+    g.add_argument(
+        "--quant",
+        choices=["none", "nf4"],
+        default="none",
+        help="base weights: bf16, or 4-bit NF4 (QLoRA; refused by the fsdp script, not yet run on fake tensors)",
+    )
+    g.add_argument("--no-grad-checkpointing", dest="grad_checkpointing", action="store_false")
+    p.add_argument(
+        "--answer-tokens",
+        type=int,
+        default=ANSWER_TOKENS,
+        help="answer (loss) positions at the end of each synthetic sequence, where the lm_head runs",
+    )
+    p.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="only this many of Qwen3-4B's decoder layers, every width exact: a quicker check of every term (the "
+        "time goes by layers) [default: all 36]",
+    )
+    p.add_argument("--steps", type=int, default=2, help="optimizer steps tracked")
+    p.add_argument(
+        "--micro-steps",
+        type=int,
+        default=None,
+        help="run only this many (at least 2) of each optimizer step's accumulation micro-steps, for a quicker run; "
+        "the FLOPs are scaled to the whole step, but the tracked peak comes out lower than with all of them (not "
+        "yet explained; labelled in the output) [default: all]",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    opts = p.parse_args(argv)
+    if opts.technique in NOT_YET:
+        raise RealScaleError(
+            f"--technique {opts.technique} is not yet supported by ftkit.realscale (single, ddp and fsdp are); "
+            "see issue 10"
+        )
+    if opts.world < 1 or (opts.technique == "single" and opts.world != 1):
+        raise RealScaleError(f"--world {opts.world}: single runs on one device (--world 1); ddp/fsdp take 1 or more")
+    if opts.layers is not None and not 1 <= opts.layers <= models.QWEN3_4B_CONFIG["num_hidden_layers"]:
+        raise RealScaleError(f"--layers must be in 1..{models.QWEN3_4B_CONFIG['num_hidden_layers']}, got {opts.layers}")
+    if opts.micro_steps is not None and opts.micro_steps < 2:
+        raise RealScaleError("--micro-steps must be at least 2: the second is the first to run with gradients held")
+    if opts.steps < 2:
+        raise RealScaleError("--steps must be at least 2: the first step creates the optimizer state")
+    return opts
+
+
+def script_args(script, opts: argparse.Namespace) -> argparse.Namespace:
+    """The flags the script would run with: its own parser and defaults (`run.resolve`), given this command's."""
+    argv = ["train.py", "--model", models.QWEN3_4B_SHAPE, "--no-progress"]
+    for key in PASSED_ON:
+        if getattr(opts, key) is not None:
+            argv += [f"--{key.replace('_', '-')}", str(getattr(opts, key))]
+    if not opts.grad_checkpointing:
+        argv.append("--no-grad-checkpointing")
+    if opts.technique == "fsdp":
+        if opts.quant == "nf4":
+            argv.append("--qlora")  # the script refuses it, and says why
+    else:
+        argv += ["--quant", opts.quant]
+    with mock.patch.object(sys, "argv", argv):
+        args = script.parse_args()
+    if getattr(args, "quant", "none") == "nf4":
+        raise RealScaleError(
+            "--quant nf4 is not yet run on fake tensors: models.load_model builds the base on the meta device "
+            "without quantization, and a bitsandbytes Params4bit does not survive to_empty (its quant_state lives "
+            "beside the tensor); only a single Linear4bit forward has been probed under FakeTensorMode"
+        )
+    return args
+
+
+def synthetic_micro_batch(micro_batch_size: int, length: int, answer: int, vocab: int) -> dict:
+    """Full-length sequences whose last `answer` tokens are the answer, collated as the scripts collate AMI
+    examples (`data.collate`), so `logit_positions` and `targets` are built the same way. Token ids are random."""
+    if not 0 < answer < length:
+        raise RealScaleError(f"--answer-tokens must be in 1..{length - 1} (--max-length {length}), got {answer}")
+    g = torch.Generator().manual_seed(0)
+    items = []
+    for _ in range(micro_batch_size):
+        ids = torch.randint(0, vocab, (length,), generator=g).tolist()
+        labels = [data.IGNORE_INDEX] * (length - answer) + ids[length - answer :]
+        items.append(data.Encoded(input_ids=ids, labels=labels, trimmed=False))
+    return data.collate(items)
+
+
+class MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
+    """FLOPs of every op FlopCounterMode has a formula for (matmuls, attention), by the dtype of its two operands
+    (the first two floating tensors of two or more dims: a and b of mm, the bias of addmm skipped; query and key of
+    attention, grad_out and query of its backward), and by component: the lm_head (an operand with the vocabulary
+    as a dim), attention (SDPA), and the rest (projections and adapters). FLOPs of activation checkpointing's
+    recomputed forward are kept apart (`recompute`): ops that run inside backward with grad mode on (the autograd
+    engine runs the backward functions with it off; torch.utils.checkpoint recomputes under enable_grad)."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        from torch.utils.flop_counter import flop_registry
+
+        self.registry, self.vocab = flop_registry, vocab
+        self.by_dtype: dict[str, int] = defaultdict(int)
+        self.by_component: dict[str, int] = defaultdict(int)
+        self.recompute = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = self.registry.get(func._overloadpacket)
+        if formula is not None:
+            flops = formula(*args, **kwargs, out_val=out)
+            if torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled():
+                self.recompute += flops
+                return out
+            flat = torch.utils._pytree.tree_leaves((args, kwargs))
+            operands = [t for t in flat if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dim() >= 2][:2]
+            dtypes = "x".join(sorted({str(t.dtype).removeprefix("torch.") for t in operands}))
+            self.by_dtype[dtypes] += flops
+            if "attention" in func._overloadpacket.__name__:
+                self.by_component["attention"] += flops
+            elif any(self.vocab in t.shape for t in operands):
+                self.by_component["lm_head"] += flops
+            else:
+                self.by_component["projections_and_adapters"] += flops
+        return out
+
+
+def build(technique: str, script, args, world: int, device: torch.device, layers: int | None = None):
+    """The model as the script builds it, on the meta device (shapes only), and for FSDP sharded by the script's
+    own `shard_model`; (model, parameter counts)."""
+    dtype = run.torch_dtype(args.dtype)
+    shape = {} if layers is None else {"num_hidden_layers": layers}
+    with mock.patch.dict(models.QWEN3_4B_CONFIG, shape):
+        model = models.load_model(
+            args.model, quant="none", dtype=dtype, device=torch.device("meta"), seed=args.seed, attn="sdpa"
+        )
+    if technique == "fsdp":  # as experiments/fsdp-ft/train.py: checkpointing, PEFT, then FSDP2
+        if args.grad_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+        counts = models.parameter_counts(model)
+        script.shard_model(model, args, device, world)
+    else:  # as experiments/single-gpu-ft and ddp-ft/train.py
+        model = models.freeze_base(
+            model, args.grad_checkpointing, reentrant=getattr(args, "reentrant_checkpointing", False)
+        )
+        model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+        model = models.adapters_compute_in(model, dtype)
+        counts = models.parameter_counts(model)
+    return model, counts
+
+
+def materialise(model, device: torch.device) -> None:
+    """Storage (fake, inside FakeTensorMode) for every parameter and buffer, and the RoPE frequencies, a
+    non-persistent buffer that to_empty leaves uninitialised, recomputed as the scripts do."""
+    model.to_empty(device=device)
+    # to_empty gives each module its own new tensor, so a parameter two modules share (the tied embedding and
+    # lm_head) comes out as two: tie them again, as loading ties them. (FSDP2 keeps one shard for a shared one.)
+    model.base_model.model.tie_weights()
+    inner = model.base_model.model.model
+    inner.rotary_emb = type(inner.rotary_emb)(inner.config).to(device)
+
+
+def measure(opts: argparse.Namespace) -> dict:
+    import torch.distributed as dist
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    technique, world = opts.technique, opts.world
+    script = load_script(technique)
+    args = script_args(script, opts)
+    device = torch.device("cpu")
+    dtype = run.torch_dtype(args.dtype)
+    dp = 1 if technique == "single" else world
+    accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=dp)
+    stand_ins: list[str] = [
+        "tensors on the CPU device under FakeTensorMode (faking CUDA fails at FSDP2's CUDA streams): attention is "
+        "PyTorch SDPA's CPU flash kernel (the scripts' choice on a GPU without flash-attn is SDPA's CUDA kernels), "
+        "and autocast applies its CPU op lists",
+        f"a synthetic batch: {args.micro_batch_size} x {args.max_length} random tokens per micro-batch, every "
+        f"sequence full length, the last {opts.answer_tokens} positions the answer (loss and lm_head)",
+        "the training loop's step (forward, token_loss_sum, backward, clip, AdamW step, zero_grad) is restated here "
+        "from the script; the learning-rate schedule, metrics and evaluation are left out",
+    ]
+    if technique != "single" and not dist.is_initialized():
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+
+    started = time.perf_counter()
+    model, counts = build(technique, script, args, world, device, opts.layers)
+    config = model.config
+    mb = synthetic_micro_batch(args.micro_batch_size, args.max_length, opts.answer_tokens, config.vocab_size)
+    runs = min(accum, opts.micro_steps or accum)  # micro-steps run per optimizer step
+    if runs < accum:
+        stand_ins.append(
+            f"each optimizer step ran {runs} of its {accum} accumulation micro-steps (--micro-steps); the FLOPs "
+            f"counted are scaled by {accum}/{runs} (every micro-step counts the same), but the tracked peak is a "
+            "lower bound: with 4 layers, 2 of 8 micro-steps tracked 3.05e9 bytes against 3.55e9 with all 8 (more "
+            "activations and temporaries at the peak), a difference not yet explained"
+        )
+    n_target = int((mb["targets"] != data.IGNORE_INDEX).sum()) * accum * dp  # the global batch's target tokens
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        materialise(model, device)
+        buckets = 0
+        if technique == "ddp":
+            model, buckets = wrap_ddp(model, args, stand_ins)
+        ddp = hasattr(model, "no_sync")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
+
+        def micro_step(sync: bool) -> None:
+            kwargs = dict(
+                input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], logits_to_keep=mb["logit_positions"]
+            )
+            if technique == "fsdp":  # experiments/fsdp-ft/train.py's micro-step: FSDP2 casts, no autocast
+                model.set_requires_gradient_sync(sync)
+                out = model(**kwargs)
+                loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                del out
+                (loss * world).backward()
+                return
+            # single-gpu-ft / ddp-ft: the adapters compute in bf16 under autocast; DDP accumulates under no_sync
+            with model.no_sync() if ddp and not sync else contextlib.nullcontext():
+                with models.compute_autocast(device, dtype):
+                    out = model(**kwargs)
+                    loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                del out
+                (loss * dp).backward()
+
+        def optimizer_step() -> None:
+            clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+            torch.nn.utils.clip_grad_norm_(trainable, clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=not getattr(args, "gradient_as_bucket_view", False))
+
+        def optimizer_step_of_micro_steps(tracker=None) -> None:
+            for j in range(runs):
+                micro_step(sync=j == runs - 1)
+                if tracker is not None:
+                    # Per-module stats are kept for one forward/backward (FSDPMemTracker refuses a second); the
+                    # peak over the whole run is kept.
+                    tracker.reset_mod_stats()
+            optimizer_step()
+
+        # ---- `steps` optimizer steps of `accum` micro-steps each, memory tracked from the start.
+        tracker = make_tracker(technique, model, optimizer, mb)
+        with tracker:
+            for _ in range(opts.steps):
+                optimizer_step_of_micro_steps(tracker)
+        # ---- one more optimizer step, its FLOPs counted (not inside the memory tracker: under both, the tracker
+        # reported tens of GiB of temporaries that it does not report alone).
+        dtypes = MatmulDtypes(config.vocab_size)
+        counter = FlopCounterMode(display=False)
+        with dtypes, counter:
+            optimizer_step_of_micro_steps()
+        peak = tracker.get_tracker_snapshot("peak")
+    elapsed = time.perf_counter() - started
+
+    peak = next(iter(peak.values()), {}) if peak else {}
+    categories = {k: int(v) for k, v in peak.items() if k != "Total"}
+    if buckets:
+        categories[DDP_BUCKETS] = buckets
+    tracked_total = int(peak.get("Total", 0)) + buckets
+    setting = {"quant": args.quant} if technique != "fsdp" else {}
+    if technique != "single":
+        setting["world_size"] = world
+    if technique == "fsdp":
+        setting["reshard_after_forward"] = args.reshard_after_forward
+    predicted = metrics.predicted_memory(config, args, technique, logit_positions=opts.answer_tokens, **setting)
+    predicted_upper = metrics.predicted_memory(config, args, technique, **setting)
+
+    lengths = [args.max_length] * args.micro_batch_size * accum  # rank 0's sequences per optimizer step
+    scale = accum / runs  # exact: every micro-step counts the same
+    with_rc = counter.get_total_flops()
+    without_rc = with_rc - dtypes.recompute
+    matmul_total = sum(dtypes.by_dtype.values())
+    if matmul_total != without_rc:
+        stand_ins.append(
+            f"FLOPs: FlopCounterMode counted {with_rc} with recompute, this command's own count of the same ops "
+            f"{matmul_total + dtypes.recompute}: they should agree, and the difference is unexplained"
+        )
+    convention = metrics.step_flops(lengths, config, counts["trainable"])
+    shape = memory.ModelShape.from_config(config)
+    tokens = sum(lengths)
+    attn_convention = 6 * shape.layers * shape.q_dim * sum(s * s for s in lengths)
+    lm_head_convention = 4 * shape.embedding_params() * tokens
+    return {
+        "technique": technique,
+        "script": f"experiments/{SCRIPTS[technique]}/train.py",
+        "world_size": world,
+        "label": LABEL,
+        "config": {
+            "model": args.model,
+            "layers": config.num_hidden_layers,
+            "dtype": args.dtype,
+            "quant": args.quant if technique != "fsdp" else "none",
+            "micro_batch_size": args.micro_batch_size,
+            "max_length": args.max_length,
+            "batch_size": args.batch_size,
+            "accumulation_steps": accum,
+            "micro_steps_run": runs,
+            "answer_tokens": opts.answer_tokens,
+            "lora_rank": args.lora_rank,
+            "lora_alpha": args.lora_alpha,
+            "lora_dropout": args.lora_dropout,
+            "grad_checkpointing": args.grad_checkpointing,
+            "steps_tracked": opts.steps,
+            **({"reshard_after_forward": args.reshard_after_forward} if technique == "fsdp" else {}),
+        },
+        "parameters": counts,
+        "tracked_peak_bytes": tracked_total,
+        "categories": categories,
+        "predicted_bytes": int(predicted["total"]),
+        "predicted": predicted,
+        "predicted_bytes_every_position": int(predicted_upper["total"]),
+        "tracked_over_predicted": tracked_total / predicted["total"] if predicted["total"] else None,
+        "flops_counted": without_rc * scale,
+        "flops_counted_with_recompute": with_rc * scale,
+        "flops_convention": convention,
+        "flops_counted_over_convention": without_rc * scale / convention,
+        "flops_counted_by_component": {k: v * scale for k, v in sorted(dtypes.by_component.items())},
+        "flops_convention_by_component": {
+            "attention": attn_convention,
+            "lm_head": lm_head_convention,
+            "projections_and_adapters": convention - attn_convention - lm_head_convention,
+        },
+        "flops_note": "per optimizer step on rank 0 (its micro-batch x accumulation sequences); the global step is "
+        f"{dp} times this. Convention: {metrics.MFU_CONVENTION}. FlopCounterMode counts SDPA at the full s x s "
+        "(no causal halving) and the lm_head where it runs (logits_to_keep: the answer positions only)",
+        "bf16_matmul_fraction": dtypes.by_dtype.get("bfloat16", 0) / matmul_total if matmul_total else None,
+        "matmul_flops_by_dtype": {k: v * scale for k, v in sorted(dtypes.by_dtype.items())},
+        "stand_ins": stand_ins,
+        "versions": metrics.versions(),
+        "seconds": round(elapsed, 1),
+    }
+
+
+def wrap_ddp(model, args, stand_ins: list[str]):
+    """experiments/ddp-ft/train.py's DDP wrapper, if it can be built on fake tensors; (model, stand-in bytes)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    try:
+        wrapped = DDP(
+            model,
+            device_ids=None,
+            bucket_cap_mb=args.bucket_cap_mb,
+            find_unused_parameters=args.find_unused_parameters,
+            gradient_as_bucket_view=args.gradient_as_bucket_view,
+            static_graph=args.static_graph,
+            forward_sync_buffers=False,
+        )
+        return wrapped, 0
+    except RuntimeError as e:
+        reason = str(e).strip().splitlines()[0]
+    # DDP's reducer keeps one flat fp32 bucket copy of the trainable gradients for the whole run (none with
+    # --gradient-as-bucket-view, where the gradients are views into the buckets).
+    buckets = (
+        0
+        if args.gradient_as_bucket_view
+        else sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    )
+    stand_ins.append(
+        f"DDP cannot be constructed on fake tensors (its constructor checks the parameters across ranks and reads "
+        f"their data: {reason!r}). Stand-in: the replica runs unwrapped, with rank 0's micro-batches and "
+        f"accumulation as under DDP and no all-reduce, and DDP's gradient buckets ({buckets:,} bytes: one fp32 "
+        "copy of the trainable gradients, resident from construction on) are added to the tracked peak as the "
+        f"category '{DDP_BUCKETS}'"
+    )
+    return model, buckets
+
+
+def make_tracker(technique: str, model, optimizer, mb: dict):
+    inputs = (mb["input_ids"], mb["attention_mask"], mb["logit_positions"], mb["targets"])
+    if technique == "fsdp":
+        from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs(inputs)
+        return tracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(model, optimizer, *inputs)
+    # MemTracker registers a gradient hook on every parameter a module's forward uses, and torch refuses a hook on
+    # one that does not require grad: the frozen base gets a placeholder in the tracker's hook table instead.
+    for p in model.parameters():
+        if not p.requires_grad:
+            tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+    return tracker
+
+
+class _NoHook:
+    def remove(self) -> None:
+        pass
+
+
+def table(result: dict) -> str:
+    gib = memory.GIB
+    lines = [
+        f"{result['technique']} (experiments/{SCRIPTS[result['technique']]}/train.py), rank 0 of "
+        f"{result['world_size']}: {LABEL}",
+        "",
+        "memory, tracked peak by category:",
+    ]
+    lines += [f"  {k:<22} {v / gib:8.3f} GiB" for k, v in result["categories"].items() if v]
+    lines += [f"  {'total':<22} {result['tracked_peak_bytes'] / gib:8.3f} GiB", "memory model (ftkit/memory.py):"]
+    lines += [f"  {k:<22} {v / gib:8.3f} GiB" for k, v in result["predicted"].items() if v]
+    lines += [
+        f"  tracked / predicted: {result['tracked_over_predicted']:.3f}",
+        "",
+        f"FLOPs per optimizer step: counted {result['flops_counted']:.4g} (with recompute "
+        f"{result['flops_counted_with_recompute']:.4g}), convention {result['flops_convention']:.4g}, "
+        f"ratio {result['flops_counted_over_convention']:.3f}",
+    ]
+    for k, v in result["flops_convention_by_component"].items():
+        lines.append(f"  {k:<26} counted {result['flops_counted_by_component'].get(k, 0):.4g}  convention {v:.4g}")
+    lines += [f"bf16 fraction of matmul FLOPs: {result['bf16_matmul_fraction']:.4f}", "", "stand-ins:"]
+    lines += [f"  - {s}" for s in result["stand_ins"]]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        opts = parse_args(argv)
+        result = measure(opts)
+    except (RealScaleError, run.RunError, data.DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result, indent=2) if opts.json else table(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
