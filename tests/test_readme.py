@@ -1,15 +1,20 @@
 """The repository stands on its own: nothing in it points at the development folder that sat beside the
-checkout on the project's machines, which a fresh clone does not have."""
+checkout on the project's machines, which a fresh clone does not have; and the README's commands are ones the
+scripts accept."""
 
 from __future__ import annotations
 
+import re
+import runpy
 import subprocess
+import sys
 
 import pytest
 from conftest import ROOT
 
 # Spelled in two parts so that this file does not match itself.
 OUTSIDE = "../" + "shared"
+EXPERIMENTS = ("single-gpu-ft", "ddp-ft", "fsdp-ft", "tp-ft", "tp-sp-ft", "pp-ft")
 
 
 def repository_text_files() -> list[str]:
@@ -42,3 +47,33 @@ def test_nothing_refers_to_the_shared_folder():
         if OUTSIDE in line
     ]
     assert not hits, f"{len(hits)} reference(s) to {OUTSIDE}, which a clone does not have:\n" + "\n".join(hits)
+
+
+def readme_train_commands() -> list[list[str]]:
+    """Every `uv run python|torchrun ... experiments/<x>/train.py FLAGS` command the README shows (code blocks and
+    the experiment table), as the train.py's argument list."""
+    commands = []
+    for line in (ROOT / "README.md").read_text().splitlines():
+        for text in re.findall(r"`(uv run [^`]+)`", line) or ([line] if line.lstrip().startswith("uv run") else []):
+            words = text.split("#")[0].split()
+            scripts = [i for i, w in enumerate(words) if re.fullmatch(r"experiments/[\w-]+/train\.py", w)]
+            if scripts:
+                commands.append(words[scripts[0] :])
+    return commands
+
+
+def test_every_readme_train_command_parses(monkeypatch):
+    """The README's train.py commands name scripts that exist and flags their parsers accept, resolved as a run
+    would resolve them (scale defaults, range checks). Running them all verbatim costs minutes each; every one is
+    run with smaller flags by its technique's tests."""
+    commands = readme_train_commands()
+    assert {c[0] for c in commands} >= {f"experiments/{e}/train.py" for e in EXPERIMENTS}, commands
+    assert sum("--smoke" in c for c in commands) >= len(EXPERIMENTS)  # the CPU walkthrough of each
+    for script, *flags in commands:
+        module = runpy.run_path(str(ROOT / script))
+        monkeypatch.setattr(sys, "argv", [script, *flags])
+        try:
+            args = module["parse_args"]()
+        except SystemExit as e:
+            pytest.fail(f"README: `{script} {' '.join(flags)}` is refused by its parser (exit {e.code})")
+        assert args.experiment == script.split("/")[1] and args.max_steps > 0
