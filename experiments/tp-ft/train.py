@@ -16,6 +16,7 @@ the world size). No sequence parallelism here: the activations between blocks ar
 from __future__ import annotations
 
 import contextlib
+import os
 
 import safetensors.torch
 import torch
@@ -115,6 +116,9 @@ def main() -> None:
     # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
     # collective meanwhile, where NCCL's 10-minute timeout would end the run.
     models.fetch(args.model)
+    # Heads are dealt out whole: a TP degree that does not divide them is refused from the config, on every rank
+    # alike, before the data, the process group or any weight.
+    run.check_tp_degree(models.model_config(args.model), int(os.environ["WORLD_SIZE"]))
     splits = data.load_splits(args.data, args.data_revision)
     # NCCL moves CUDA tensors only; "cpu:gloo,cuda:nccl" gives a CPU tensor (a metric, a pickled object) a gloo
     # route instead of an error, and device_id binds the NCCL communicator to this rank's GPU.
@@ -130,7 +134,6 @@ def main() -> None:
 
     # ---- data: every rank builds the same global batches and runs all of them (rank 0 of a world of 1).
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    run.check_tp_degree(models.model_config(args.model, len(tokenizer)), tp)
     batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
 
