@@ -185,29 +185,21 @@ def test_resume_on_another_number_of_ranks(accum, tmp_path):
     continued_as_uninterrupted(out, accum, tol=parity.LOSS_TOL)
 
 
-def test_a_killed_rank_costs_at_most_one_checkpoint_interval(dropout, tmp_path, data_dir):
-    """Under torchrun --max-restarts=1, rank 1 is SIGKILLed once the step-3 checkpoint exists: torchrun restarts
-    the group with the same command, which continues from step 3 by itself, and the run ends as if uninterrupted."""
+def test_dead_ranks_cost_at_most_one_checkpoint_interval(dropout, tmp_path, data_dir):
+    """Under torchrun --max-restarts=2, two failures in one run, each followed by torchrun restarting the group with
+    the same command:
+    - attempt 0: rank 1 is SIGKILLed once the step-3 checkpoint exists; attempt 1 continues from step 3 by itself;
+    - attempt 1: rank 0 is SIGKILLed with every file of the step-6 checkpoint written but before it is committed
+      (tests/kill_at_commit.py); attempt 2 continues from step 3 again, never from the half-made step 6.
+    The run ends as if uninterrupted: the same per-step losses and adapter (LoRA dropout on)."""
     out = tmp_path / "killed"
     kill = parity.kill_rank_when(1, out / "checkpoints" / "step-3" / "trainer_state.json")
-    run = parity.torchrun(
-        TRAIN, *flags(data_dir, 8, *DROPOUT), "--output-dir", str(out), max_restarts=1, meanwhile=kill, env=RESTARTABLE
-    )
+    args = ("6", "1", TRAIN, *flags(data_dir, 8, *DROPOUT), "--output-dir", str(out))
+    run = parity.torchrun("tests/kill_at_commit.py", *args, max_restarts=2, meanwhile=kill, env=RESTARTABLE)
     assert run.returncode == 0, run.report()
     config = json.loads((out / "config.json").read_text())
-    assert config["launch"]["restart"] == 1 and config["resumed_from_step"] == 3, config
-    assert [r.get("restart", 0) for r in parity.metrics(out)] == [0, 0, 0, 1, 1, 1]
-    continued_as_uninterrupted(out, dropout)
-
-
-def test_a_checkpoint_being_written_when_a_rank_dies_is_never_loaded(dropout, tmp_path, data_dir):
-    """Rank 0 is SIGKILLed with every file of the step-6 checkpoint written but before it is committed
-    (tests/kill_at_commit.py): the restarted group resumes from step 3, not from the half-made step 6."""
-    out = tmp_path / "killed-while-saving"
-    args = ("6", TRAIN, *flags(data_dir, 8, *DROPOUT), "--output-dir", str(out))
-    run = parity.torchrun("tests/kill_at_commit.py", *args, max_restarts=1, env=RESTARTABLE)
-    assert run.returncode == 0, run.report()
-    assert json.loads((out / "config.json").read_text())["resumed_from_step"] == 3
+    assert config["launch"]["restart"] == 2 and config["resumed_from_step"] == 3, config
+    assert [r.get("restart", 0) for r in parity.metrics(out)] == [0, 0, 0, 2, 2, 2]
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-3", "step-6"]
     continued_as_uninterrupted(out, dropout)
 
