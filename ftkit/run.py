@@ -644,10 +644,13 @@ def load_sharded_checkpoint(ckpt: Path, model, optimizer, scheduler, any_world: 
     return int(state["step"])
 
 
-def save_rank_checkpoint(run_dir: Path, step: int, params: dict, optimizer, scheduler, seed: int, keep: int) -> None:
-    """Checkpoint `step` of a run whose ranks each hold their own slices as plain tensors (hand-rolled tensor
-    parallelism): every rank writes its trainable parameters (by name), its optimizer state and its RNG stream to
-    rank<r>.pt; once all have written, rank 0 adds the scheduler and commits the folder. A collective."""
+def save_rank_checkpoint(
+    run_dir: Path, step: int, params: dict, optimizer, scheduler, seed: int, keep: int, **state
+) -> None:
+    """Checkpoint `step` of a run whose ranks each hold their own part of the adapter as plain tensors (hand-rolled
+    tensor parallelism's slices, a pipeline's stages): every rank writes its trainable parameters (by name), its
+    optimizer state and its RNG stream to rank<r>.pt; once all have written, rank 0 adds the scheduler and commits
+    the folder, with `state` in its trainer_state.json. A collective."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -661,18 +664,18 @@ def save_rank_checkpoint(run_dir: Path, step: int, params: dict, optimizer, sche
     dist.barrier()  # every rank's file is complete before rank 0 commits
     if rank == 0:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        commit_checkpoint(tmp, step, {"seed": seed, "world_size": world}, keep)
+        commit_checkpoint(tmp, step, {"seed": seed, "world_size": world, **state}, keep)
     dist.barrier()  # no rank goes on (or exits, with --stop-after) before the checkpoint is complete
 
 
 def load_rank_checkpoint(ckpt: Path, params: dict, optimizer, scheduler) -> int:
-    """Resume from a `save_rank_checkpoint` folder: this rank's slices, optimizer state and RNG stream, the
-    scheduler; the step it holds. The same world size only: a rank's slices are 1/N of each projection."""
+    """Resume from a `save_rank_checkpoint` folder: this rank's parameters, optimizer state and RNG stream, the
+    scheduler; the step it holds. The same world size only: each rank's file holds its own part of the adapter."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
     state = read_checkpoint_state(ckpt, ("scheduler.pt", f"rank{rank}.pt"))
-    check_same_world(ckpt, state, dist.get_world_size(), "each rank's file holds its 1/N slices")
+    check_same_world(ckpt, state, dist.get_world_size(), "each rank's file holds its own part of the adapter")
     own = load_torch(ckpt / f"rank{rank}.pt")
     shapes = {k: tuple(v.shape) for k, v in own["params"].items()}
     if shapes != {k: tuple(v.shape) for k, v in params.items()}:

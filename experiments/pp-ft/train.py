@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import sys
 
-import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -238,46 +237,29 @@ def main() -> None:
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
     scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
 
-    def stage_lora() -> dict[str, torch.Tensor]:
-        """This rank's LoRA weights under the full model's adapter keys."""
-        return {
-            global_adapter_key(name, m.first_layer): p.detach().cpu().clone()
-            for m in modules
-            for name, p in m.named_parameters()
-            if p.requires_grad
-        }
+    # This rank's LoRA weights under the full model's adapter keys (unique across stages).
+    lora = {
+        global_adapter_key(name, m.first_layer): p
+        for m in modules
+        for name, p in m.named_parameters()
+        if p.requires_grad
+    }
 
     def save_adapter(path) -> None:
         # Rank 0 gathers every stage's LoRA weights, renamed to global layer indices, into one stock PEFT
         # adapter for the whole model.
         parts = [None] * world if rank == 0 else None
-        dist.gather_object(stage_lora(), parts, dst=0)
+        dist.gather_object({k: p.detach().cpu() for k, p in lora.items()}, parts, dst=0)
         if rank == 0:
             run.save_adapter(path, {k: v for part in parts for k, v in part.items()}, adapter_config)
 
-    # ---- resume: the merged adapter (each rank takes its stages' keys), each rank's optimizer and RNG
+    # ---- resume: each rank reads back its stages' LoRA weights, their optimizer state and its RNG (rank<r>.pt)
     start_step = 0
     if resume_from is not None:
-        state = run.read_checkpoint_state(resume_from, ("adapter/adapter_model.safetensors",))
-        if state.get("world_size") != world or state.get("schedule") != args.schedule:
-            raise run.RunError(
-                f"{resume_from} was written by {state.get('world_size')} ranks with --schedule {state.get('schedule')};"
-                f" resume it with the same (each rank continues its own stages' optimizer state)"
-            )
-        try:
-            weights = safetensors.torch.load_file(resume_from / "adapter" / "adapter_model.safetensors")
-        except Exception as e:
-            raise run.CheckpointError(f"{resume_from}/adapter: corrupt adapter ({e})") from e
-        with torch.no_grad():
-            for m in modules:
-                for name, p in m.named_parameters():
-                    if p.requires_grad:
-                        p.copy_(weights[global_adapter_key(name, m.first_layer)])
-        opt = run.load_torch(resume_from / f"optimizer-rank{rank}.pt", map_location=device)
-        optimizer.load_state_dict(opt["optimizer"])
-        scheduler.load_state_dict(opt["scheduler"])
-        run.set_rng_state(run.load_torch(resume_from / f"rng-rank{rank}.pt"))
-        start_step = state["step"]
+        state = run.read_checkpoint_state(resume_from, ())
+        if state.get("schedule") != args.schedule:  # another schedule deals the layers into other stages
+            raise run.RunError(f"{resume_from} was written with --schedule {state.get('schedule')}; resume it with it")
+        start_step = run.load_rank_checkpoint(resume_from, lora, optimizer, scheduler)
         run.print0(f"resumed from {resume_from} at step {start_step}")
 
     hardware = metrics.hardware(device, world_size=world)
@@ -297,21 +279,6 @@ def main() -> None:
         run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
     )
     peak = metrics.peak_flops(device)
-
-    def save_checkpoint(step: int) -> None:
-        # Every rank writes its own optimizer state and RNG into the staging folder rank 0 made; rank 0 writes
-        # the merged adapter and commits once all have written.
-        tmp = run.on_rank0(run.staging_dir, run_dir, step)
-        save_adapter(tmp / "adapter")
-        torch.save(
-            {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / f"optimizer-rank{rank}.pt"
-        )
-        torch.save(run.rng_state(), tmp / f"rng-rank{rank}.pt")
-        dist.barrier()
-        if rank == 0:
-            state = {"seed": args.seed, "world_size": world, "schedule": args.schedule}
-            run.commit_checkpoint(tmp, step, state, args.keep_checkpoints)
-        dist.barrier()
 
     def eval_loss() -> float:
         # Forward only, through the same pipeline; the loss function returns plain sums here.
@@ -413,7 +380,16 @@ def main() -> None:
                 dist.all_gather_object(events, step_events)
                 timeline = {"ranks": world, "stages": n_stages, "microbatches": accum, "events": events}
             if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
-                save_checkpoint(step + 1)
+                run.save_rank_checkpoint(
+                    run_dir,
+                    step + 1,
+                    lora,
+                    optimizer,
+                    scheduler,
+                    args.seed,
+                    args.keep_checkpoints,
+                    schedule=args.schedule,
+                )
             profiler.step(step + 1)
     log.close()
 
