@@ -256,7 +256,7 @@ class MetricsLog:
         when there are others)."""
         rows = self.rows[1:] if len(self.rows) > 1 else self.rows
         if not rows:
-            return {}
+            return {"steps_run": 0}
         out = {
             "steps_run": len(self.rows),
             "final_loss": self.rows[-1]["loss"],

@@ -427,8 +427,10 @@ def take_run_flags(args: argparse.Namespace) -> None:
     summary = run_dir / "summary.json"
     completed = summary.exists() and json.loads(summary.read_text()).get("status") == "completed"
     from_checkpoint = ckpt.resolve() == Path(args.resume).resolve()  # a chosen checkpoint: re-run from there
-    if (completed and not from_checkpoint) or int(ckpt.name.split("-")[-1]) >= args.max_steps:
+    if completed and (not from_checkpoint or int(ckpt.name.split("-")[-1]) >= args.max_steps):
         raise RunComplete(f"{run_dir} has completed its {args.max_steps} steps: nothing to resume, nothing changed")
+    # Not completed with every step checkpointed (stopped while the adapter was being written): the resumed run
+    # trains no step and writes the adapter and summary.
 
 
 def restart_count() -> int:

@@ -161,6 +161,36 @@ def _rank_logs(log_dir: Path) -> dict[int, dict[str, str]]:
     return ranks
 
 
+def refused(monkeypatch, script: str, *argv: str, world: int | None = None) -> str:
+    """`script`'s main() run in this process with `argv` (as rank 0 of `world` torchrun ranks, if given): the
+    message of the error it stops with (a RunError, DataError or CheckpointError, which run.launch prints on rank 0
+    alone as one line with exit code 2; test_ddp.py checks that in a real launch). A script that starts its process
+    group before refusing fails here: bad flags are refused before any rank waits on another. In-process, so that
+    each check does not pay for importing torch again."""
+    import runpy
+
+    import pytest
+    import torch.distributed as dist
+
+    from ftkit import data, run
+
+    if world is not None:
+        for key in ("RANK", "LOCAL_RANK"):
+            monkeypatch.setenv(key, "0")
+        for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE"):
+            monkeypatch.setenv(key, str(world))
+
+    def no_group(*args, **kwargs):
+        raise AssertionError(f"{script} started its process group before refusing")
+
+    monkeypatch.setattr(dist, "init_process_group", no_group)
+    monkeypatch.setattr(sys, "argv", [script, *argv])
+    main = runpy.run_path(str(ROOT / script))["main"]
+    with pytest.raises((run.RunError, data.DataError, run.CheckpointError)) as error:
+        main()
+    return str(error.value)
+
+
 def reference(base: Path, *flags: str, quant: str = "nf4", timeout: float = 300) -> Path:
     """The single-process reference run (experiments/single-gpu-ft/train.py) with these flags; its run directory.
     Cached per test session by flags, so techniques that compare against the same reference share one run."""

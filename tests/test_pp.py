@@ -209,14 +209,13 @@ def test_stage_layout():
         layout(36, 8, "interleaved-1f1b")  # 16 stages
 
 
-def test_stages_that_do_not_divide_the_layers_are_refused(tmp_path, data_dir):
-    """3 ranks, 3 stages, 4 layers: refused before the model loads, with a message from rank 0 alone (every rank
-    refuses; one message, not one per rank)."""
-    run = parity.torchrun(TRAIN, *flags(data_dir, 2), "--output-dir", str(tmp_path / "o"), nproc=3)
-    assert run.returncode != 0
-    stderr = [run.stderr(rank) for rank in (0, 1, 2)]
-    assert "do not divide" in stderr[0] and not any("do not divide" in e for e in stderr[1:]), run.report()
-    assert not any("Traceback" in e for e in stderr), run.report()
+@pytest.mark.parametrize("world, schedule", [(3, "1f1b"), (4, "interleaved-1f1b")])
+def test_stages_that_do_not_divide_the_layers_are_refused(world, schedule, tmp_path, data_dir, monkeypatch):
+    """3 stages on 3 ranks, or 8 on 4 ranks interleaved, for 4 layers: refused before the process group or the
+    model."""
+    argv = flags(data_dir, 2, "--schedule", schedule, "--output-dir", str(tmp_path / "o"))
+    message = parity.refused(monkeypatch, TRAIN, *argv, world=world)
+    assert f"{world if schedule == '1f1b' else 2 * world} pipeline stages" in message and "do not divide" in message
     assert not (tmp_path / "o").exists()
 
 

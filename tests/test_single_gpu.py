@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import gzip
 import json
-import runpy
 import shutil
-import sys
 
 import parity
 import pytest
 import torch
-from conftest import ROOT, run_script
+from conftest import run_script
+from safetensors.torch import load_file
 
 TRAIN = "experiments/single-gpu-ft/train.py"
 INFER = "experiments/single-gpu-ft/infer.py"
@@ -109,7 +108,6 @@ def test_resume_continues_with_the_same_losses(full_run, tmp_path, data_dir):
 
 def test_adapter_loads_with_stock_peft(full_run, data_dir):
     from peft import PeftModel
-    from safetensors.torch import load_file
 
     from ftkit import data, models
 
@@ -137,17 +135,7 @@ def test_infer_reports_rouge_for_base_and_finetuned(full_run, tmp_path):
 
 
 def refused(monkeypatch, *argv: str) -> str:
-    """train.py's main() run in this process with `argv`: the message of the error it stops with (a RunError,
-    DataError or CheckpointError, which run.launch prints as one line and exit code 2, as
-    test_out_of_range_flag_ends_with_the_message_not_a_traceback checks in a real process). In-process, so that each
-    of these checks does not pay for importing torch again."""
-    from ftkit import data, run
-
-    monkeypatch.setattr(sys, "argv", [TRAIN, *argv])
-    main = runpy.run_path(str(ROOT / TRAIN))["main"]
-    with pytest.raises((run.RunError, data.DataError, run.CheckpointError)) as error:
-        main()
-    return str(error.value)
+    return parity.refused(monkeypatch, TRAIN, *argv)
 
 
 def test_no_cuda_without_smoke_is_refused(monkeypatch):
@@ -262,6 +250,24 @@ def test_resume_with_a_disagreeing_flag_names_both_values(full_run, monkeypatch)
     message = refused(monkeypatch, "--resume", str(full_run / "checkpoints" / "step-5"), "--lr", "0.5", "--seed", "3")
     assert "--lr: the run used 0.002, this command says 0.5" in message
     assert "--seed: the run used 0, this command says 3" in message
+
+
+def test_a_run_stopped_after_its_last_checkpoint_resumes_to_write_its_adapter(full_run, tmp_path):
+    """Every step checkpointed, but the process died before the adapter and summary were written: --resume (and a
+    torchrun restart, which resumes the same way) trains no step and writes them, equal to the uninterrupted run's."""
+    copy = tmp_path / "copy"
+    shutil.copytree(full_run, copy)
+    shutil.rmtree(copy / "adapter")
+    (copy / "summary.json").unlink()
+    proc = run_script(TRAIN, "--resume", str(copy))
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-2000:]
+    summary = json.loads((copy / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps_run"] == 0
+    assert (copy / "metrics.jsonl").read_text() == (full_run / "metrics.jsonl").read_text()
+    resumed = load_file(copy / "adapter" / "adapter_model.safetensors")
+    uninterrupted = load_file(full_run / "adapter" / "adapter_model.safetensors")
+    assert resumed.keys() == uninterrupted.keys()
+    assert all(torch.equal(resumed[k], uninterrupted[k]) for k in resumed)
 
 
 def test_resuming_a_completed_run_changes_nothing(full_run):

@@ -19,6 +19,7 @@ pipeline bubble, measured per rank in every step's metrics.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import torch
@@ -137,6 +138,13 @@ def main() -> None:
     # ---- process group: one process per GPU; each owns one pipeline stage (two with interleaved 1F1B).
     device = run.device_for(args, run.torchrun_local_rank())
     run.share_cpu_cores(device)
+    world = int(os.environ["WORLD_SIZE"])
+    if world < 2:
+        raise run.RunError("a pipeline needs at least 2 ranks: torchrun --nproc_per_node=2 (or more)")
+    # Refused here, before the data, the group or any weight: stages must split the layers evenly.
+    n_stages, per_stage = stage_layout(models.model_config(args.model).num_hidden_layers, world, args.schedule)
+    # Pipelining is not data parallelism: every micro-batch of the step goes through every rank.
+    accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
     # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
     # collective meanwhile, where NCCL's 10-minute timeout would end the run.
     models.fetch(args.model)
@@ -147,12 +155,7 @@ def main() -> None:
         dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
     else:
         dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if world < 2:
-        raise run.RunError("a pipeline needs at least 2 ranks: torchrun --nproc_per_node=2 (or more)")
-    # Pipelining is not data parallelism: every micro-batch of the step goes through every rank.
-    accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
-    n_stages, per_stage = stage_layout(models.model_config(args.model).num_hidden_layers, world, args.schedule)
+    rank = dist.get_rank()
     stage_ids = list(range(rank, n_stages, world))  # rank r: stage r, and r + world when interleaved
     dtype = run.torch_dtype(args.dtype)
     run_dir, resume_from = run.on_rank0(run.resolve_run_dir, args)

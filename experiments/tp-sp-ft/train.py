@@ -392,7 +392,7 @@ def main() -> None:
     layer = model.base_model.model.model.layers[1]
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     saved = metrics.SavedActivations(model, {"layer": [layer], "norms": norms})
-    measured_tokens = 0
+    measured, measured_tokens = {}, 0
 
     # ---- train
     model.train()
