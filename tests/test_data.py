@@ -125,13 +125,14 @@ def test_trimming_keeps_answers_whole(tokenizer, splits):
     assert stats.trimmed > 0 and stats.kept == len(encoded)
     assert stats.kept + sum(stats.dropped.values()) == stats.examples == len(splits["train"])
     assert all(len(e.input_ids) <= 256 for e in encoded)
-    kept = [ex for ex in splits["train"] if fmt.encode(ex)[0] is not None]
-    for ex, enc in zip(kept, encoded):
+    kept = [(ex, enc) for ex in splits["train"] for enc in [fmt.encode(ex)[0]] if enc is not None]
+    assert [enc.input_ids for _, enc in kept] == [enc.input_ids for enc in encoded]
+    for ex, enc in kept:
         answer = tokenizer(ex.answer, add_special_tokens=False)["input_ids"] + [fmt.eos_id]
         assert [t for t in enc.labels if t != data.IGNORE_INDEX] == answer
     # Whole-meeting summaries are kept only where the whole transcript fits.
     assert stats.dropped.get("whole meeting longer than --max-length", 0) > 0
-    assert all(not ex.trimmable or ex.kind == "span" for ex in kept if fmt.encode(ex)[0].trimmed)
+    assert all(not ex.trimmable or ex.kind == "span" for ex, enc in kept if enc.trimmed)
 
 
 def test_answer_longer_than_max_length_is_dropped(tokenizer):

@@ -66,17 +66,7 @@ def gpipe(tmp_path_factory, data_dir):
 
 @pytest.fixture(scope="module")
 def one_f_one_b(tmp_path_factory, data_dir):
-    """1F1B, interrupted after step 2 (--stop-after) and resumed from its checkpoint: parity with the reference
-    then also proves that resuming continues the same run."""
-    out = tmp_path_factory.mktemp("pp") / "1f1b"
-    args = flags(data_dir, 1, "--schedule", "1f1b")
-    first = parity.torchrun(TRAIN, *args, "--output-dir", str(out), "--stop-after", "2")
-    assert first.returncode == 0, first.report()
-    assert not (out / "adapter").exists() and (out / "checkpoints" / "step-2").is_dir()
-    second = parity.torchrun(TRAIN, *args, "--resume", str(out), "--output-dir", str(out))
-    assert second.returncode == 0, second.report()
-    assert "resumed from" in second.ranks[0]["stdout"]
-    return second
+    return launch(tmp_path_factory, "1f1b", *flags(data_dir, 1, "--schedule", "1f1b"))
 
 
 @pytest.fixture(scope="module")
