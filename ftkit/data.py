@@ -286,11 +286,30 @@ class ChatFormatter:
         before, after = rendered.split(self.SENTINEL)
         return self._ids(before), self._ids(after)
 
+    def transcript_ids(self, text: str, budget: int) -> list[int]:
+        """The first `budget` + 1 token ids of `text` (all of them if it has fewer): enough to cut it to `budget`
+        tokens and to know whether it was cut, without tokenizing a whole meeting (up to 83k characters) to keep
+        a few thousand. A prefix that ends on a non-space character followed by a space tokenizes to the first
+        tokens of the whole text: Qwen's (and GPT-2's) byte-level pre-tokenizer never puts a non-space character
+        and the space after it in one piece, and BPE merges within pieces only. The prefix grows until it holds
+        more than `budget` tokens. (tests/test_data.py checks this against whole-text tokenization.)"""
+        chars = 8 * (budget + 1)
+        while chars < len(text):
+            cut = text.rfind(" ", 0, chars)
+            while cut > 0 and text[cut - 1].isspace():
+                cut = text.rfind(" ", 0, cut - 1)
+            if cut > 0:
+                ids = self._ids(text[:cut])
+                if len(ids) > budget:
+                    return ids[: budget + 1]
+            chars *= 2
+        return self._ids(text)[: budget + 1]
+
     def prompt_ids(self, ex: Example, reserve: int) -> list[int] | None:
         """The prompt, its transcript cut to leave `reserve` tokens for the answer (None if it cannot fit)."""
         before, after = self.prompt_parts(ex.query)
-        transcript = self._ids(ex.transcript)
         budget = self.max_length - len(before) - len(after) - reserve
+        transcript = self.transcript_ids(ex.transcript, max(budget, 0))
         if budget < min(MIN_TRANSCRIPT_TOKENS, len(transcript)) or (len(transcript) > budget and not ex.trimmable):
             return None
         return before + transcript[:budget] + after
@@ -299,8 +318,8 @@ class ChatFormatter:
         """(Encoded, None) or (None, why it was dropped)."""
         answer = self._ids(ex.answer) + [self.eos_id]
         before, after = self.prompt_parts(ex.query)
-        transcript = self._ids(ex.transcript)
         budget = self.max_length - len(before) - len(after) - len(answer)
+        transcript = self.transcript_ids(ex.transcript, max(budget, 0))
         if budget < min(MIN_TRANSCRIPT_TOKENS, len(transcript)):
             return None, "answer too long for --max-length"
         if len(transcript) > budget and not ex.trimmable:

@@ -135,6 +135,18 @@ def test_trimming_keeps_answers_whole(tokenizer, splits):
     assert all(not ex.trimmable or ex.kind == "span" for ex, enc in kept if enc.trimmed)
 
 
+def test_a_transcript_is_cut_as_if_tokenized_whole(tokenizer, splits):
+    """ChatFormatter tokenizes a prefix of a long transcript, not the whole meeting: its first tokens must be the
+    whole text's, at every budget the scripts use (the held-out meetings: spans and whole meetings alike)."""
+    fmt = data.ChatFormatter(tokenizer, max_length=256)
+    texts = sorted({ex.transcript for ex in splits["val"]}, key=len)
+    assert len(texts[-1]) > 30_000  # whole meetings among them
+    for text in texts:
+        whole = fmt._ids(text)
+        for budget in (0, 31, 180, 460, 1900, 8000):
+            assert fmt.transcript_ids(text, budget) == whole[: budget + 1], (len(text), budget)
+
+
 def test_answer_longer_than_max_length_is_dropped(tokenizer):
     fmt = data.ChatFormatter(tokenizer, max_length=64)
     ex = data.Example("m", "span", "What?", "A: hi\nB: hello", "word " * 200)
