@@ -133,6 +133,7 @@ def hardware(device: torch.device, world_size: int) -> dict:
     info = {
         "device": device.type,
         "world_size": world_size,
+        "nodes": int(os.environ.get("GROUP_WORLD_SIZE", "1")),  # torchrun's agents: one per node
         "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),

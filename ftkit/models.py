@@ -222,7 +222,10 @@ def _random_init_checkpoint(model: str, config, seed: int) -> Path:
         _random_init(config, seed, weights, torch.device("cpu")).save_pretrained(tmp)
         if not (tmp / "config.json").exists():  # transformers saves on rank 0 only once a process group is up
             shutil.rmtree(tmp)
-            raise RuntimeError(f"{model} weights were not written on this rank: build them on rank 0 first")
+            raise RuntimeError(
+                f"{model}'s random-init weights are built by global rank 0 into {cache_dir()}, and this rank does "
+                "not see them there: on several nodes set FTKIT_CACHE to a folder on storage every node shares"
+            )
         _publish(tmp, path)
     return path
 

@@ -503,6 +503,27 @@ def report_end(args: argparse.Namespace, run_dir: Path, finished: bool) -> None:
     )
 
 
+def check_shared_run_dir(run_dir: Path) -> None:
+    """Every rank writes into the run directory (its checkpoint shard, or its own rank<r>.pt), rank 0 commits a
+    checkpoint by renaming the folder all of them wrote, and a resume reads it back on every rank: on several
+    nodes the directory must be on storage every node shares (NFS, Lustre, a cluster file system), the same path
+    on each. Checked once, after rank 0 has written config.json: every rank must see it. Refused otherwise, on every
+    rank, naming the hosts that cannot see it."""
+    import socket
+
+    import torch.distributed as dist
+
+    seen = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (socket.gethostname(), (run_dir / "config.json").exists()))
+    blind = sorted({host for host, visible in seen if not visible})
+    if blind:
+        raise RunError(
+            f"{run_dir}: rank 0 wrote config.json there, but the ranks on {', '.join(blind)} cannot see it. On "
+            "several nodes every rank writes its part of each checkpoint into the run directory, so --output-dir "
+            "must be on storage that every node shares, under the same path (e.g. an NFS or Lustre mount)"
+        )
+
+
 def resolve_run_dir(args: argparse.Namespace) -> tuple[Path, Path | None]:
     """(run directory, checkpoint to resume from or None). Refuses to write into a directory that already
     holds a run unless resuming it, so nothing a user had is overwritten."""

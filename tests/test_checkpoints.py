@@ -123,3 +123,25 @@ def test_a_restart_never_takes_over_a_run_another_launch_started(monkeypatch, tm
     assert args.resume is None
     with pytest.raises(run.RunError, match="already holds a run"):
         run.resolve_run_dir(args)
+
+
+@pytest.fixture
+def one_rank_group():
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_run_directory_some_node_cannot_see_is_refused(one_rank_group, tmp_path):
+    """Multi-node runs write every rank's checkpoint part into the run directory: each rank must see the
+    config.json rank 0 wrote there (as on shared storage), or all of them stop, naming the hosts that cannot."""
+    import socket
+
+    (tmp_path / "shared").mkdir()
+    (tmp_path / "shared" / "config.json").write_text("{}")
+    run.check_shared_run_dir(tmp_path / "shared")
+    with pytest.raises(run.RunError, match="storage that every node shares") as refused:
+        run.check_shared_run_dir(tmp_path / "node-local")
+    assert socket.gethostname() in str(refused.value)
