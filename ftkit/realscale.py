@@ -40,8 +40,8 @@ import torch
 from ftkit import data, memory, metrics, models, run
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = {"single": "single-gpu-ft", "ddp": "ddp-ft", "fsdp": "fsdp-ft"}
-NOT_YET = ("tp", "tp-sp", "pp")
+SCRIPTS = {"single": "single-gpu-ft", "ddp": "ddp-ft", "fsdp": "fsdp-ft", "tp": "tp-ft"}
+NOT_YET = ("tp-sp", "pp")
 LABEL = (
     "tracked on fake tensors at Qwen3-4B's shape; excludes the CUDA context, NCCL buffers and allocator fragmentation"
 )
@@ -116,11 +116,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     opts = p.parse_args(argv)
     if opts.technique in NOT_YET:
         raise RealScaleError(
-            f"--technique {opts.technique} is not yet supported by ftkit.realscale (single, ddp and fsdp are); "
+            f"--technique {opts.technique} is not yet supported by ftkit.realscale (single, ddp, fsdp and tp are); "
             "see issue 10"
         )
     if opts.world < 1 or (opts.technique == "single" and opts.world != 1):
-        raise RealScaleError(f"--world {opts.world}: single runs on one device (--world 1); ddp/fsdp take 1 or more")
+        raise RealScaleError(f"--world {opts.world}: single runs on one device (--world 1); the others take 1 or more")
+    if opts.technique == "tp":
+        run.check_tp_degree(models.model_config(models.QWEN3_4B_SHAPE), opts.world)
     if opts.layers is not None and not 1 <= opts.layers <= models.QWEN3_4B_CONFIG["num_hidden_layers"]:
         raise RealScaleError(f"--layers must be in 1..{models.QWEN3_4B_CONFIG['num_hidden_layers']}, got {opts.layers}")
     if opts.micro_steps is not None and opts.micro_steps < 2:
@@ -141,6 +143,9 @@ def script_args(script, opts: argparse.Namespace) -> argparse.Namespace:
     if opts.technique == "fsdp":
         if opts.quant == "nf4":
             argv.append("--qlora")  # the script refuses it, and says why
+    elif opts.technique == "tp":
+        if opts.quant == "nf4":
+            raise RealScaleError("--quant nf4: experiments/tp-ft/train.py trains LoRA on a bf16 base (no QLoRA)")
     else:
         argv += ["--quant", opts.quant]
     with mock.patch.object(sys, "argv", argv):
@@ -174,7 +179,11 @@ class MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
     attention, grad_out and query of its backward), and by component: the lm_head (an operand with the vocabulary
     as a dim), attention (SDPA), and the rest (projections and adapters). FLOPs of activation checkpointing's
     recomputed forward are kept apart (`recompute`): ops that run inside backward with grad mode on (the autograd
-    engine runs the backward functions with it off; torch.utils.checkpoint recomputes under enable_grad)."""
+    engine runs the backward functions with it off; torch.utils.checkpoint recomputes under enable_grad).
+
+    A DTensor op (tp-ft's sharded projections) is seen here, as by FlopCounterMode, at its logical (whole-tensor)
+    shape, before DTensor runs it on the local shards: its FLOPs are counted on the local shards, this rank's
+    work."""
 
     def __init__(self, vocab: int):
         super().__init__()
@@ -186,11 +195,16 @@ class MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
         self.recompute = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.distributed.tensor import DTensor
+
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = self.registry.get(func._overloadpacket)
         if formula is not None:
-            flops = formula(*args, **kwargs, out_val=out)
+            args, kwargs, local_out = torch.utils._pytree.tree_map_only(
+                DTensor, lambda t: t.to_local(), (args, kwargs, out)
+            )
+            flops = formula(*args, **kwargs, out_val=local_out)
             if torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled():
                 self.recompute += flops
                 return out
@@ -209,7 +223,7 @@ class MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
 
 def build(technique: str, script, args, world: int, device: torch.device, layers: int | None = None):
     """The model as the script builds it, on the meta device (shapes only), and for FSDP sharded by the script's
-    own `shard_model`; (model, parameter counts)."""
+    own `shard_model`, for TP by its own `lora_aware_plan`; (model, parameter counts: the whole model's)."""
     dtype = run.torch_dtype(args.dtype)
     shape = {} if layers is None else {"num_hidden_layers": layers}
     with mock.patch.dict(models.QWEN3_4B_CONFIG, shape):
@@ -222,6 +236,20 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
         model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
         counts = models.parameter_counts(model)
         script.shard_model(model, args, device, world)
+    elif technique == "tp":  # as experiments/tp-ft/train.py: checkpointing, PEFT, then each layer's plan
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if args.grad_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+        model = models.adapters_compute_in(model, dtype)
+        counts = models.parameter_counts(model)
+        mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+        for layer in model.base_model.model.model.layers:
+            parallelize_module(layer, mesh, script.lora_aware_plan())
+        for name, p in model.named_parameters():
+            p.requires_grad_("lora_" in name)
     else:  # as experiments/single-gpu-ft and ddp-ft/train.py
         model = models.freeze_base(
             model, args.grad_checkpointing, reentrant=getattr(args, "reentrant_checkpointing", False)
@@ -253,7 +281,7 @@ def measure(opts: argparse.Namespace) -> dict:
     args = script_args(script, opts)
     device = torch.device("cpu")
     dtype = run.torch_dtype(args.dtype)
-    dp = 1 if technique == "single" else world
+    dp = 1 if technique in ("single", "tp") else world  # TP splits the layers, not the batch
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=dp)
     stand_ins: list[str] = [
         "tensors on the CPU device under FakeTensorMode (faking CUDA fails at FSDP2's CUDA streams): attention is "
@@ -303,7 +331,8 @@ def measure(opts: argparse.Namespace) -> dict:
                 del out
                 (loss * world).backward()
                 return
-            # single-gpu-ft / ddp-ft: the adapters compute in bf16 under autocast; DDP accumulates under no_sync
+            # single-gpu-ft / ddp-ft / tp-ft: the adapters compute in bf16 under autocast; DDP accumulates under
+            # no_sync; TP runs the whole batch on every rank (dp 1)
             with model.no_sync() if ddp and not sync else contextlib.nullcontext():
                 with models.compute_autocast(device, dtype):
                     out = model(**kwargs)
@@ -313,7 +342,18 @@ def measure(opts: argparse.Namespace) -> dict:
 
         def optimizer_step() -> None:
             clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-            torch.nn.utils.clip_grad_norm_(trainable, clip)
+            if technique == "tp":  # tp-ft's clip: clip_grad_norm_ refuses its mix of DTensor and plain gradients
+                from torch.distributed.tensor import DTensor
+
+                sharded = [p.grad.to_local() for p in trainable if isinstance(p.grad, DTensor)]
+                sq = sum((g**2).sum() for g in sharded)
+                dist.all_reduce(sq)
+                norm = (sq + sum((p.grad**2).sum() for p in trainable if not isinstance(p.grad, DTensor))).sqrt()
+                coef = (clip / (norm + 1e-6)).clamp(max=1.0)
+                for p in trainable:
+                    (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
+            else:
+                torch.nn.utils.clip_grad_norm_(trainable, clip)
             optimizer.step()
             optimizer.zero_grad(set_to_none=not getattr(args, "gradient_as_bucket_view", False))
 
@@ -345,7 +385,7 @@ def measure(opts: argparse.Namespace) -> dict:
     if buckets:
         categories[DDP_BUCKETS] = buckets
     tracked_total = int(peak.get("Total", 0)) + buckets
-    setting = {"quant": args.quant} if technique != "fsdp" else {}
+    setting = {"quant": args.quant} if technique in ("single", "ddp") else {}
     if technique != "single":
         setting["world_size"] = world
     if technique == "fsdp":
@@ -354,20 +394,26 @@ def measure(opts: argparse.Namespace) -> dict:
     predicted_upper = metrics.predicted_memory(config, args, technique, **setting)
 
     lengths = [args.max_length] * args.micro_batch_size * accum  # rank 0's sequences per optimizer step
+    # The convention's FLOPs for those sequences, and the share of them that is rank 0's: all of them with data
+    # parallelism (each rank its own sequences), 1/world of them with TP (every rank runs every sequence).
+    share = 1 / world if technique == "tp" else 1
     scale = accum / runs  # exact: every micro-step counts the same
-    with_rc = counter.get_total_flops()
-    without_rc = with_rc - dtypes.recompute
-    matmul_total = sum(dtypes.by_dtype.values())
-    if matmul_total != without_rc:
+    # This command's count (MatmulDtypes: local shards), checked against FlopCounterMode's, which counts a DTensor
+    # op at its logical shape: the two agree where no DTensor computes (single, ddp, fsdp's gathered weights).
+    logical = counter.get_total_flops()
+    without_rc = sum(dtypes.by_dtype.values())
+    with_rc = without_rc + dtypes.recompute
+    matmul_total = without_rc
+    if technique != "tp" and with_rc != logical:
         stand_ins.append(
-            f"FLOPs: FlopCounterMode counted {with_rc} with recompute, this command's own count of the same ops "
-            f"{matmul_total + dtypes.recompute}: they should agree, and the difference is unexplained"
+            f"FLOPs: FlopCounterMode counted {logical} with recompute, this command's own count of the same ops "
+            f"{with_rc}: they should agree, and the difference is unexplained"
         )
-    convention = metrics.step_flops(lengths, config, counts["trainable"])
+    convention = metrics.step_flops(lengths, config, counts["trainable"]) * share
     shape = memory.ModelShape.from_config(config)
     tokens = sum(lengths)
-    attn_convention = 6 * shape.layers * shape.q_dim * sum(s * s for s in lengths)
-    lm_head_convention = 4 * shape.embedding_params() * tokens
+    attn_convention = 6 * shape.layers * shape.q_dim * sum(s * s for s in lengths) * share
+    lm_head_convention = 4 * shape.embedding_params() * tokens * share
     return {
         "technique": technique,
         "script": f"experiments/{SCRIPTS[technique]}/train.py",
@@ -377,7 +423,7 @@ def measure(opts: argparse.Namespace) -> dict:
             "model": args.model,
             "layers": config.num_hidden_layers,
             "dtype": args.dtype,
-            "quant": args.quant if technique != "fsdp" else "none",
+            "quant": getattr(args, "quant", "none") if technique in ("single", "ddp") else "none",
             "micro_batch_size": args.micro_batch_size,
             "max_length": args.max_length,
             "batch_size": args.batch_size,
@@ -400,6 +446,7 @@ def measure(opts: argparse.Namespace) -> dict:
         "tracked_over_predicted": tracked_total / predicted["total"] if predicted["total"] else None,
         "flops_counted": without_rc * scale,
         "flops_counted_with_recompute": with_rc * scale,
+        **({"flops_logical_with_recompute": logical * scale} if technique == "tp" else {}),
         "flops_convention": convention,
         "flops_counted_over_convention": without_rc * scale / convention,
         "flops_counted_by_component": {k: v * scale for k, v in sorted(dtypes.by_component.items())},
@@ -410,7 +457,14 @@ def measure(opts: argparse.Namespace) -> dict:
         },
         "flops_note": "per optimizer step on rank 0 (its micro-batch x accumulation sequences); the global step is "
         f"{dp} times this. Convention: {metrics.MFU_CONVENTION}. FlopCounterMode counts SDPA at the full s x s "
-        "(no causal halving) and the lm_head where it runs (logits_to_keep: the answer positions only)",
+        "(no causal halving) and the lm_head where it runs (logits_to_keep: the answer positions only)"
+        + (
+            f". TP: every rank runs every sequence, and the convention here is rank 0's 1/{world} share of the "
+            "step; tp-ft shards the decoder layers only, so every rank computes the whole lm_head (and holds the "
+            "whole embedding)"
+            if technique == "tp"
+            else ""
+        ),
         "bf16_matmul_fraction": dtypes.by_dtype.get("bfloat16", 0) / matmul_total if matmul_total else None,
         "matmul_flops_by_dtype": {k: v * scale for k, v in sorted(dtypes.by_dtype.items())},
         "stand_ins": stand_ins,
