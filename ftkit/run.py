@@ -307,6 +307,18 @@ def share_cpu_cores(device: torch.device) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
+def init_process_group(device: torch.device) -> None:
+    """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR/PORT). On GPUs both backends: NCCL
+    moves CUDA tensors only, and gloo gives a CPU tensor (a metric, a pickled object, a CPU-offloaded gradient's
+    norm) a route instead of an error; device_id binds the NCCL communicator to this rank's GPU. gloo on CPU."""
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+
+
 def launch(main) -> None:
     """Run a train.py's `main`: a RunError/DataError/CheckpointError ends it with its message and exit code 2, not
     a traceback. Then destroy the process group, if one is up, and leave without running the C++ static

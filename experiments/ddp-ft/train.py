@@ -102,12 +102,8 @@ def main() -> None:
     # collective meanwhile, where NCCL's 10-minute timeout would end the run.
     models.fetch(args.model)
     splits = data.load_splits(args.data, args.data_revision)
-    # NCCL moves CUDA tensors only; "cpu:gloo,cuda:nccl" gives a CPU tensor (a metric, a pickled object) a gloo
-    # route instead of an error, and device_id binds the NCCL communicator to this rank's GPU.
-    if device.type == "cuda":
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, a pickled object).
+    run.init_process_group(device)
     rank = dist.get_rank()
     dtype = run.torch_dtype(args.dtype)
     # Rank 0 names the run directory (its clock, its checks) and every rank uses that one.

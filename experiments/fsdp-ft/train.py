@@ -174,12 +174,8 @@ def main() -> None:
     # collective meanwhile, where NCCL's 10-minute timeout would end the run.
     models.fetch(args.model)
     splits = data.load_splits(args.data, args.data_revision)
-    # NCCL moves CUDA tensors only; "cpu:gloo,cuda:nccl" gives a CPU tensor (a metric, a pickled object, a
-    # CPU-offloaded gradient's norm) a gloo route instead of an error; device_id binds NCCL to this rank's GPU.
-    if device.type == "cuda":
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, an offloaded grad norm).
+    run.init_process_group(device)
     rank, world = dist.get_rank(), dist.get_world_size()
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=world)
     dtype = run.torch_dtype(args.dtype)

@@ -120,12 +120,8 @@ def main() -> None:
     # alike, before the data, the process group or any weight.
     run.check_tp_degree(models.model_config(args.model), int(os.environ["WORLD_SIZE"]))
     splits = data.load_splits(args.data, args.data_revision)
-    # NCCL moves CUDA tensors only; "cpu:gloo,cuda:nccl" gives a CPU tensor (a metric, a pickled object) a gloo
-    # route instead of an error, and device_id binds the NCCL communicator to this rank's GPU.
-    if device.type == "cuda":
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, a pickled object).
+    run.init_process_group(device)
     rank, tp = dist.get_rank(), dist.get_world_size()
     # TP does not split the batch: data-parallel degree 1, every rank runs every micro-batch.
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
