@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ftkit import metrics
 from ftkit.data import SHIPPED
 from ftkit.profiling import parse_profile_steps
 
@@ -809,8 +810,36 @@ def dump_logits(
         torch.save({"batch": batch, "logits": logits.cpu()}, path)
 
 
-def write_summary(run_dir: Path, summary: dict) -> None:
+def start_log(
+    args: argparse.Namespace,
+    run_dir: Path,
+    device: torch.device,
+    train_stats,
+    counts: dict,
+    accum: int,
+    start_step: int,
+    resume_from: Path | None,
+    **technique,
+) -> tuple[dict, metrics.MetricsLog, float | None]:
+    """What every run records before its first step, on every rank: its config.json (written by rank 0; on resume
+    checked against the run's own flags), the metrics log and the device's peak FLOP/s for MFU. `technique`: what
+    the technique adds to config.json. Returns (run config, log, peak)."""
+    import torch.distributed as dist
+
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    hardware = metrics.hardware(device, world_size=world)
+    config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum, **technique)
+    on_rank0(init_run_dir, run_dir, args, config, resume_step=start_step if resume_from is not None else None)
+    log = metrics.MetricsLog(
+        run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
+    )
+    return config, log, metrics.peak_flops(device)
+
+
+def finish(args: argparse.Namespace, run_dir: Path, summary: dict, finished: bool) -> None:
+    """Rank 0, at the end: summary.json, then the run's last lines (`report_end`)."""
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    report_end(args, run_dir, finished)
 
 
 # ---------------------------------------------------------------------------------------------- eval
@@ -862,6 +891,8 @@ def on_rank0(fn, *args, **kwargs):
 
     from ftkit.data import DataError
 
+    if not dist.is_initialized():  # one process: it is rank 0
+        return fn(*args, **kwargs)
     box: list = [None]
     if dist.get_rank() == 0:
         try:

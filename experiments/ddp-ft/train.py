@@ -172,15 +172,7 @@ def main() -> None:
         start_step = state["step"]
         run.print0(f"resumed from {resume_from} at step {start_step}")
 
-    hardware = metrics.hardware(device, world_size=world)
-    run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum)
-    run.on_rank0(
-        run.init_run_dir, run_dir, args, run_config, resume_step=start_step if resume_from is not None else None
-    )
-    log = metrics.MetricsLog(
-        run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
-    )
-    peak = metrics.peak_flops(device)
+    run_config, log, peak = run.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from)
 
     def save_checkpoint(step: int) -> None:
         # The replicas are identical, so rank 0 saves the adapter and optimizer; only the RNG differs per rank.
@@ -290,8 +282,7 @@ def main() -> None:
         "bytes of the buckets, buckets issued, and time from issue to completion summed over buckets "
         "(they overlap backward and each other); the metrics' own loss/eval all-reduces are not counted",
     )
-    run.write_summary(run_dir, summary)
-    run.report_end(args, run_dir, finished)
+    run.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":

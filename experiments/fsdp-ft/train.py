@@ -261,15 +261,7 @@ def main() -> None:
         start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler, any_world=True)
         run.print0(f"resumed from {resume_from} at step {start_step}")
 
-    hardware = metrics.hardware(device, world_size=world)
-    run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum)
-    run.on_rank0(
-        run.init_run_dir, run_dir, args, run_config, resume_step=start_step if resume_from is not None else None
-    )
-    log = metrics.MetricsLog(
-        run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
-    )
-    peak = metrics.peak_flops(device)
+    run_config, log, peak = run.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from)
 
     def save_adapter(path) -> None:
         # Gather the full adapter onto rank 0's CPU (a collective: every rank takes part) and write it as a stock
@@ -420,8 +412,7 @@ def main() -> None:
     )
     if args.use_cache:
         summary["kv_cache_bytes"] = kv_cache_bytes
-    run.write_summary(run_dir, summary)
-    run.report_end(args, run_dir, finished)
+    run.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":

@@ -261,7 +261,6 @@ def main() -> None:
         start_step = run.load_rank_checkpoint(resume_from, lora, optimizer, scheduler)
         run.print0(f"resumed from {resume_from} at step {start_step}")
 
-    hardware = metrics.hardware(device, world_size=world)
     pipeline = {
         "schedule": args.schedule,
         "ranks": world,
@@ -270,14 +269,9 @@ def main() -> None:
         "layers_per_stage": per_stage,
         "microbatches": accum,
     }
-    run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum, pipeline=pipeline)
-    run.on_rank0(
-        run.init_run_dir, run_dir, args, run_config, resume_step=start_step if resume_from is not None else None
+    run_config, log, peak = run.start_log(
+        args, run_dir, device, train_stats, counts, accum, start_step, resume_from, pipeline=pipeline
     )
-    log = metrics.MetricsLog(
-        run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
-    )
-    peak = metrics.peak_flops(device)
 
     def eval_loss() -> float:
         # Forward only, through the same pipeline; the loss function returns plain sums here.
@@ -443,8 +437,7 @@ def main() -> None:
         comm_note="per optimizer step, all ranks together: the point-to-point sends between stages (activations "
         "forward, their gradients backward), counted where the stages build them; time is not measured",
     )
-    run.write_summary(run_dir, summary)
-    run.report_end(args, run_dir, finished)
+    run.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":

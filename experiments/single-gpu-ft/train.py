@@ -80,10 +80,7 @@ def main() -> None:
         start_step = state["step"]
         print(f"resumed from {resume_from} at step {start_step}")
 
-    run_config = metrics.run_config(args, metrics.hardware(device, world_size=1), train_stats.as_dict(), counts, accum)
-    run.init_run_dir(run_dir, args, run_config, resume_step=start_step if resume_from is not None else None)
-    log = metrics.MetricsLog(run_dir, rank=0, total_steps=args.max_steps, start_step=start_step, progress=args.progress)
-    peak = metrics.peak_flops(device)
+    run_config, log, peak = run.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from)
 
     def save_checkpoint(step: int) -> None:
         tmp = run.staging_dir(run_dir, step)
@@ -159,8 +156,7 @@ def main() -> None:
         predicted=metrics.predicted_memory(config, args, "single", quant=args.quant),
         note=metrics.memory_note(device),
     )
-    run.write_summary(run_dir, summary)
-    run.report_end(args, run_dir, finished)
+    run.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":

@@ -172,14 +172,9 @@ def main() -> None:
         start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler)
         run.print0(f"resumed from {resume_from} at step {start_step}")
 
-    hardware = metrics.hardware(device, world_size=tp)
-    run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum, tensor_parallel=tp)
-    resume_step = start_step if resume_from is not None else None
-    run.on_rank0(run.init_run_dir, run_dir, args, run_config, resume_step=resume_step)
-    log = metrics.MetricsLog(
-        run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
+    run_config, log, peak = run.start_log(
+        args, run_dir, device, train_stats, counts, accum, start_step, resume_from, tensor_parallel=tp
     )
-    peak = metrics.peak_flops(device)
     recorder = comm.CommRecorder(device)
 
     # ---- train
@@ -298,8 +293,7 @@ def main() -> None:
         "Recorded on sampled steps only (the first step run and every eval step; all with --comm-every-step): "
         "the rows with a `comm` entry, and the means here are over those rows",
     )
-    run.write_summary(run_dir, summary)
-    run.report_end(args, run_dir, finished)
+    run.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":

@@ -370,14 +370,9 @@ def main() -> None:
         start_step = run.load_rank_checkpoint(resume_from, lora, optimizer, scheduler)
         run.print0(f"resumed from {resume_from} at step {start_step}")
 
-    hardware = metrics.hardware(device, world_size=tp)
-    run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum, tensor_parallel=tp)
-    resume_step = start_step if resume_from is not None else None
-    run.on_rank0(run.init_run_dir, run_dir, args, run_config, resume_step=resume_step)
-    log = metrics.MetricsLog(
-        run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
+    run_config, log, peak = run.start_log(
+        args, run_dir, device, train_stats, counts, accum, start_step, resume_from, tensor_parallel=tp
     )
-    peak = metrics.peak_flops(device)
     recorder = comm.CommRecorder(device)
 
     def norm_sq(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -501,8 +496,7 @@ def main() -> None:
         # Layer 1 on rank 0, first micro-batch: `tokens` is what this rank's norms and residual stream hold.
         activations_measured={**measured, "tokens": measured_tokens},
     )
-    run.write_summary(run_dir, summary)
-    run.report_end(args, run_dir, finished)
+    run.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":
