@@ -605,11 +605,12 @@ def commit_checkpoint(tmp: Path, step: int, state: dict, keep: int) -> Path:
     return final
 
 
-def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, seed: int, keep: int) -> None:
+def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, args: argparse.Namespace) -> None:
     """Checkpoint `step` of a run whose trainable state is spread over the ranks (FSDP's shards, TP's DTensors).
     Every rank writes its own pieces of the trainable parameters and of the optimizer state with
     torch.distributed.checkpoint, into one folder on storage all ranks see; rank 0 adds the scheduler and every
-    rank's RNG state, then commits the folder. A collective: every rank calls it."""
+    rank's RNG state, then commits the folder (--seed recorded, --keep-checkpoints kept). A collective: every rank
+    calls it."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -624,7 +625,7 @@ def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, schedule
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         for r, state in enumerate(rng):
             torch.save(state, tmp / f"rng-rank{r}.pt")
-        commit_checkpoint(tmp, step, {"seed": seed, "world_size": world}, keep)
+        commit_checkpoint(tmp, step, {"seed": args.seed, "world_size": world}, args.keep_checkpoints)
     dist.barrier()  # no rank goes on (or exits, with --stop-after) before the checkpoint is complete
 
 
@@ -660,12 +661,12 @@ def load_sharded_checkpoint(ckpt: Path, model, optimizer, scheduler, any_world: 
 
 
 def save_rank_checkpoint(
-    run_dir: Path, step: int, params: dict, optimizer, scheduler, seed: int, keep: int, **state
+    run_dir: Path, step: int, params: dict, optimizer, scheduler, args: argparse.Namespace, **state
 ) -> None:
     """Checkpoint `step` of a run whose ranks each hold their own part of the adapter as plain tensors (hand-rolled
     tensor parallelism's slices, a pipeline's stages): every rank writes its trainable parameters (by name), its
     optimizer state and its RNG stream to rank<r>.pt; once all have written, rank 0 adds the scheduler and commits
-    the folder, with `state` in its trainer_state.json. A collective."""
+    the folder, with `state` in its trainer_state.json (as `save_sharded_checkpoint`). A collective."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -679,7 +680,7 @@ def save_rank_checkpoint(
     dist.barrier()  # every rank's file is complete before rank 0 commits
     if rank == 0:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        commit_checkpoint(tmp, step, {"seed": seed, "world_size": world, **state}, keep)
+        commit_checkpoint(tmp, step, {"seed": args.seed, "world_size": world, **state}, args.keep_checkpoints)
     dist.barrier()  # no rank goes on (or exits, with --stop-after) before the checkpoint is complete
 
 

@@ -364,9 +364,7 @@ def main() -> None:
             log.log(row)
             if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
                 # Every rank writes its own shards (torch.distributed.checkpoint); storage all ranks see.
-                run.save_sharded_checkpoint(
-                    run_dir, step + 1, model, optimizer, scheduler, args.seed, args.keep_checkpoints
-                )
+                run.save_sharded_checkpoint(run_dir, step + 1, model, optimizer, scheduler, args)
             profiler.step(step + 1)
     log.close()
 

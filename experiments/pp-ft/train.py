@@ -373,16 +373,7 @@ def main() -> None:
                 dist.all_gather_object(events, step_events)
                 timeline = {"ranks": world, "stages": n_stages, "microbatches": accum, "events": events}
             if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
-                run.save_rank_checkpoint(
-                    run_dir,
-                    step + 1,
-                    lora,
-                    optimizer,
-                    scheduler,
-                    args.seed,
-                    args.keep_checkpoints,
-                    schedule=args.schedule,
-                )
+                run.save_rank_checkpoint(run_dir, step + 1, lora, optimizer, scheduler, args, schedule=args.schedule)
             profiler.step(step + 1)
     log.close()
 

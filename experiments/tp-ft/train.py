@@ -259,9 +259,7 @@ def main() -> None:
                 row["eval_loss"] = (sums[0] / sums[1]).item()
             log.log(row)
             if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
-                run.save_sharded_checkpoint(
-                    run_dir, step + 1, model, optimizer, scheduler, args.seed, args.keep_checkpoints
-                )
+                run.save_sharded_checkpoint(run_dir, step + 1, model, optimizer, scheduler, args)
             profiler.step(step + 1)
     log.close()
 
