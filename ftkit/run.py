@@ -350,6 +350,17 @@ def launch(main) -> None:
     os._exit(code)
 
 
+def adamw_cosine(
+    params: list[torch.nn.Parameter], args: argparse.Namespace
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """Every experiment's optimizer: AdamW (--lr, --weight-decay) over `params`, and its schedule: linear warmup
+    over --warmup-steps, then cosine decay to 0 at --max-steps. Returns (optimizer, scheduler)."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    return optimizer, get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+
+
 def check_tp_degree(config, tp: int) -> None:
     """Heads and MLP columns are dealt out whole: a tensor-parallel degree must divide the KV heads (and so the
     query heads, a multiple of them) and the intermediate size. Checked from the config, before any weight loads."""

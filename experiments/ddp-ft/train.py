@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from peft import set_peft_model_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
-from transformers import get_cosine_schedule_with_warmup
 
 from ftkit import comm, data, metrics, models, run
 from ftkit.profiling import StepProfiler
@@ -151,8 +150,7 @@ def main() -> None:
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+    optimizer, scheduler = run.adamw_cosine(trainable, args)
 
     # ---- resume: adapter, optimizer, scheduler and each rank's RNG; the data position is the step itself.
     # Every rank reads the checkpoint rank 0 wrote, so a multi-node run needs the run directory on shared storage.

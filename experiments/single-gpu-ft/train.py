@@ -16,7 +16,6 @@ from __future__ import annotations
 import safetensors.torch
 import torch
 from peft import set_peft_model_state_dict
-from transformers import get_cosine_schedule_with_warmup
 
 from ftkit import data, metrics, models, run
 from ftkit.profiling import StepProfiler
@@ -61,8 +60,7 @@ def main() -> None:
     print(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+    optimizer, scheduler = run.adamw_cosine(trainable, args)
 
     # ---- resume: adapter, optimizer, scheduler and RNG; the data position is the step itself
     start_step = 0

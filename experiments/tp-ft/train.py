@@ -24,7 +24,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from transformers import get_cosine_schedule_with_warmup
 
 from ftkit import comm, data, metrics, models, run
 from ftkit.profiling import StepProfiler
@@ -162,8 +161,7 @@ def main() -> None:
     run.print0(f"parameters (whole model): {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+    optimizer, scheduler = run.adamw_cosine(trainable, args)
 
     # ---- resume: the adapter's DTensor shards and replicated tensors and the optimizer state (each rank reads its
     # own pieces with torch.distributed.checkpoint), the scheduler and each rank's RNG.

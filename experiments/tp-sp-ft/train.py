@@ -24,7 +24,6 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import get_cosine_schedule_with_warmup
 
 from ftkit import comm, data, metrics, models, run
 from ftkit.profiling import StepProfiler
@@ -361,8 +360,7 @@ def main() -> None:
     replicated_bytes = sum(p.numel() * p.element_size() for p in replicated)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+    optimizer, scheduler = run.adamw_cosine(trainable, args)
     # ---- resume: each rank reads back its own slices, their optimizer state and its RNG (rank<r>.pt)
     lora = {name: p for name, p in model.named_parameters() if p.requires_grad}
     start_step = 0
