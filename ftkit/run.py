@@ -202,6 +202,22 @@ def common_parser(description: str, experiment: str) -> argparse.ArgumentParser:
     return p
 
 
+def add_dump_flags(group: argparse._ArgumentGroup) -> None:
+    """--dump-grads and --dump-logits, for the tensor-parallel experiments: what a test compares with the same
+    step on one device."""
+    group.add_argument(
+        "--dump-grads",
+        action="store_true",
+        help="write step 3's LoRA gradients, reassembled to full shapes, to grads-step3.safetensors (the column "
+        "layers' A gradients are zero while B is: at init, and after step 1, which warmup runs at lr 0)",
+    )
+    group.add_argument(
+        "--dump-logits",
+        action="store_true",
+        help="after training, write the logits of the first eval micro-batch to logits.pt (for a one-device check)",
+    )
+
+
 SMOKE = dict(
     model="tiny",
     data=DEFAULT_DATA,

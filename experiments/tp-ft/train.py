@@ -47,17 +47,7 @@ def parse_args():
         help="record DTensor's collectives on every step; by default only on sampled steps (the first step run "
         "and every eval step), since the dispatch mode that sees them runs Python on every op of the step",
     )
-    g.add_argument(
-        "--dump-grads",
-        action="store_true",
-        help="write step 3's LoRA gradients, reassembled to full shapes, to grads-step3.safetensors (the column "
-        "layers' A gradients are zero while B is: at init, and after step 1, which warmup runs at lr 0)",
-    )
-    g.add_argument(
-        "--dump-logits",
-        action="store_true",
-        help="after training, write the logits of the first eval micro-batch to logits.pt (for a one-device check)",
-    )
+    run.add_dump_flags(g)  # --dump-grads, --dump-logits: for the tests' one-device comparison
     return run.resolve(p.parse_args())
 
 

@@ -42,17 +42,7 @@ def parse_args():
         help="plain Megatron TP: the activations between blocks replicated on every rank, f/g all-reduces",
     )
     g.add_argument("--merge", action="store_true", help="also write the base with the LoRA merged in (merged/)")
-    g.add_argument(
-        "--dump-grads",
-        action="store_true",
-        help="write step 3's LoRA gradients, reassembled to full shapes, to grads-step3.safetensors (the column "
-        "layers' A gradients are zero while B is: at init, and after step 1, which warmup runs at lr 0)",
-    )
-    g.add_argument(
-        "--dump-logits",
-        action="store_true",
-        help="after training, write the logits of the first eval micro-batch to logits.pt (for a one-device check)",
-    )
+    run.add_dump_flags(g)  # --dump-grads, --dump-logits: for the tests' one-device comparison
     return run.resolve(p.parse_args())
 
 
