@@ -290,16 +290,6 @@ def full_lora(model, group, grads: bool = False) -> dict[str, torch.Tensor]:
     return out
 
 
-def pad_to_multiple(mb: dict, multiple: int) -> dict:
-    """Sequence parallelism splits the sequence into equal parts: right-pad to a multiple of the TP degree. The
-    padding is masked out of attention (mask 0) and of the loss (label -100), so the step is unchanged."""
-    extra = -mb["input_ids"].shape[1] % multiple
-    if extra == 0:
-        return mb
-    fill = {"input_ids": 0, "attention_mask": 0, "labels": -100}  # the [rows, seq] tensors; the rest is unchanged
-    return {k: F.pad(v, (0, extra), value=fill[k]) if k in fill else v for k, v in mb.items()}
-
-
 def main() -> None:
     args = parse_args()
     # ---- process group: one process per GPU; all of them form one tensor-parallel group.
@@ -324,8 +314,11 @@ def main() -> None:
     # ---- data: every rank builds the same global batches and runs all of them (rank 0 of a world of 1).
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
     batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
+    # Sequence parallelism splits the sequence into equal parts: every micro-batch is right-padded to a multiple
+    # of the TP degree (masked out of attention and of the loss, so the step is unchanged).
     eval_batches = [
-        pad_to_multiple(mb, tp) for mb in run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
+        data.pad_to_multiple(mb, tp)
+        for mb in run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
     ]
 
     # ---- model: the whole bf16 base and the PEFT LoRA are built on every rank (the same seed, the same init),
@@ -386,7 +379,7 @@ def main() -> None:
             with metrics.StepTimer(device) as timer:
                 with comm.recording(recorder):  # the technique's traffic: the blocks' collectives + the LoRA sync
                     for mb in batches.micro_batches(step, args.micro_batch_size):
-                        mb = data.to_device(pad_to_multiple(mb, tp), device)
+                        mb = data.to_device(data.pad_to_multiple(mb, tp), device)
                         activation_elems += mb["input_ids"].numel() * config.hidden_size
                         measure = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
                         with contextlib.nullcontext() if measured_tokens else measure:
