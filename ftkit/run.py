@@ -847,21 +847,34 @@ def start_log(
     accum: int,
     start_step: int,
     resume_from: Path | None,
+    model_config,
+    n_lora: int | None = None,
     **technique,
-) -> tuple[dict, metrics.MetricsLog, float | None]:
+) -> metrics.RunLog:
     """What every run records before its first step, on every rank: its config.json (written by rank 0; on resume
-    checked against the run's own flags), the metrics log and the device's peak FLOP/s for MFU. `technique`: what
-    the technique adds to config.json. Returns (run config, log, peak)."""
+    checked against the run's own flags, after saying where it resumed) and the log of its steps, which knows
+    the model config and adapter size (`n_lora`, the trainable count by default) for the FLOPs and the devices
+    for MFU. `technique`: what the technique adds to config.json."""
     import torch.distributed as dist
 
+    if resume_from is not None:
+        print0(f"resumed from {resume_from} at step {start_step}")
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     hardware = metrics.hardware(device, world_size=world)
     config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum, **technique)
     on_rank0(init_run_dir, run_dir, args, config, resume_step=start_step if resume_from is not None else None)
-    log = metrics.MetricsLog(
-        run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
+    n_lora = counts["trainable"] if n_lora is None else n_lora
+    return metrics.RunLog(
+        run_dir,
+        rank,
+        args,
+        start_step,
+        run_config=config,
+        model_config=model_config,
+        n_lora=n_lora,
+        devices=world,
+        device=device,
     )
-    return config, log, metrics.peak_flops(device)
 
 
 def finish(args: argparse.Namespace, run_dir: Path, summary: dict, finished: bool) -> None:

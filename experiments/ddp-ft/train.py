@@ -168,9 +168,8 @@ def main() -> None:
         scheduler.load_state_dict(opt["scheduler"])
         run.restore_rng(resume_from, state, rank, world)
         start_step = state["step"]
-        run.print0(f"resumed from {resume_from} at step {start_step}")
 
-    run_config, log, peak = run.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from)
+    log = run.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config)
 
     def save_checkpoint(step: int) -> None:
         # The replicas are identical, so rank 0 saves the adapter and optimizer; only the RNG differs per rank.
@@ -231,19 +230,14 @@ def main() -> None:
             dist.all_reduce(loss_sum)
             global_loss, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
             step_comm = recorder.take()
-            row = metrics.step_row(
+            row = log.row(
                 step=step + 1,
                 loss=global_loss,
                 grad_norm=grad_norm,
                 lr=lr,
                 target_tokens=n_target,
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
-                config=config,
-                n_lora=counts["trainable"],
                 seconds=timer.seconds,
-                peak=peak,
-                devices=world,
-                device=device,
                 comm=step_comm,
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
@@ -263,12 +257,8 @@ def main() -> None:
         return
     if finished:
         model.module.save_pretrained(run_dir / "adapter")
-    summary = metrics.run_summary(
-        run_config,
-        log,
-        run_dir=run_dir,
-        last_step=last_step,
-        peak=peak,
+    summary = log.run_summary(
+        last_step,
         predicted=metrics.predicted_memory(config, args, "ddp", quant=args.quant, world_size=world),
         note=metrics.memory_note(device),
         # What theory says DDP sends per optimizer step: the trainable gradients, once (once per micro-step with

@@ -257,9 +257,8 @@ def main() -> None:
     start_step = 0
     if resume_from is not None:
         start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler, any_world=True)
-        run.print0(f"resumed from {resume_from} at step {start_step}")
 
-    run_config, log, peak = run.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from)
+    log = run.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config)
 
     def save_adapter(path) -> None:
         # Gather the full adapter onto rank 0's CPU (a collective: every rank takes part) and write it as a stock
@@ -335,19 +334,14 @@ def main() -> None:
             totals = torch.stack([loss_sum, lost])
             dist.all_reduce(totals)
             global_loss, lost, grad_norm = torch.cat([totals, grad_norm.reshape(1).to(totals.dtype)]).tolist()
-            row = metrics.step_row(
+            row = log.row(
                 step=step + 1,
                 loss=global_loss,
                 grad_norm=grad_norm,
                 lr=lr,
                 target_tokens=n_target,
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
-                config=config,
-                n_lora=counts["trainable"],
                 seconds=timer.seconds,
-                peak=peak,
-                devices=world,
-                device=device,
                 comm=step_comm,
             )
             if args.count_lost_updates:
@@ -374,12 +368,8 @@ def main() -> None:
         return
     itemsize = run.torch_dtype(args.param_dtype).itemsize
     trainable_numel = counts["trainable"]
-    summary = metrics.run_summary(
-        run_config,
-        log,
-        run_dir=run_dir,
-        last_step=last_step,
-        peak=peak,
+    summary = log.run_summary(
+        last_step,
         predicted=metrics.predicted_memory(
             config, args, "fsdp", world_size=world, reshard_after_forward=args.reshard_after_forward
         ),

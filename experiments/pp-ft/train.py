@@ -257,7 +257,6 @@ def main() -> None:
         if state.get("schedule") != args.schedule:  # another schedule deals the layers into other stages
             raise run.RunError(f"{resume_from} was written with --schedule {state.get('schedule')}; resume it with it")
         start_step = run.load_rank_checkpoint(resume_from, lora, optimizer, scheduler)
-        run.print0(f"resumed from {resume_from} at step {start_step}")
 
     pipeline = {
         "schedule": args.schedule,
@@ -267,8 +266,8 @@ def main() -> None:
         "layers_per_stage": per_stage,
         "microbatches": accum,
     }
-    run_config, log, peak = run.start_log(
-        args, run_dir, device, train_stats, counts, accum, start_step, resume_from, pipeline=pipeline
+    log = run.start_log(
+        args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, pipeline=pipeline
     )
 
     def eval_loss() -> float:
@@ -343,19 +342,14 @@ def main() -> None:
                 "count": sum(s.get("send", {}).get("count", 0) for s in sends),
                 "time_s": 0.0,
             }
-            row = metrics.step_row(
+            row = log.row(
                 step=step + 1,
                 loss=loss,
                 grad_norm=grad_norm,
                 lr=lr,
                 target_tokens=denominator[0],
                 lengths=batches.lengths(step),  # real tokens of the global batch: known on the host
-                config=config,
-                n_lora=counts["trainable"],
                 seconds=timer.seconds,
-                peak=peak,
-                devices=world,
-                device=device,
                 comm={"send": send},
                 pipeline_time_s=pipe_s,
                 busy_s=busy_s,
@@ -387,12 +381,8 @@ def main() -> None:
     # The memory model knows GPipe's and 1F1B's in-flight micro-batches. Interleaved 1F1B keeps no more than
     # GPipe does (at most m micro-batches' activations per layer), so GPipe's figure is its upper bound.
     rows = log.rows
-    summary = metrics.run_summary(
-        run_config,
-        log,
-        run_dir=run_dir,
-        last_step=last_step,
-        peak=peak,
+    summary = log.run_summary(
+        last_step,
         predicted=metrics.predicted_memory(
             config,
             args,

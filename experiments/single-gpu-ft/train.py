@@ -76,9 +76,8 @@ def main() -> None:
         scheduler.load_state_dict(opt["scheduler"])
         run.set_rng_state(run.load_torch(resume_from / "rng.pt"))
         start_step = state["step"]
-        print(f"resumed from {resume_from} at step {start_step}")
 
-    run_config, log, peak = run.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from)
+    log = run.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config)
 
     def save_checkpoint(step: int) -> None:
         tmp = run.staging_dir(run_dir, step)
@@ -118,19 +117,14 @@ def main() -> None:
                 optimizer.zero_grad(set_to_none=True)
             # The step's one host sync: the device scalars the metrics need, copied together.
             loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
-            row = metrics.step_row(
+            row = log.row(
                 step=step + 1,
                 loss=loss_value,
                 grad_norm=grad_norm,
                 lr=lr,
                 target_tokens=n_target,
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
-                config=config,
-                n_lora=counts["trainable"],
                 seconds=timer.seconds,
-                peak=peak,
-                devices=1,
-                device=device,
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
                 sums = run.eval_loss_sums(model, eval_batches, device, dtype)
@@ -145,12 +139,8 @@ def main() -> None:
     finished = last_step == args.max_steps
     if finished:
         model.save_pretrained(run_dir / "adapter")
-    summary = metrics.run_summary(
-        run_config,
-        log,
-        run_dir=run_dir,
-        last_step=last_step,
-        peak=peak,
+    summary = log.run_summary(
+        last_step,
         predicted=metrics.predicted_memory(config, args, "single", quant=args.quant),
         note=metrics.memory_note(device),
     )

@@ -158,10 +158,9 @@ def main() -> None:
     start_step = 0
     if resume_from is not None:
         start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler)
-        run.print0(f"resumed from {resume_from} at step {start_step}")
 
-    run_config, log, peak = run.start_log(
-        args, run_dir, device, train_stats, counts, accum, start_step, resume_from, tensor_parallel=tp
+    log = run.start_log(
+        args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, n_lora, tensor_parallel=tp
     )
     recorder = comm.CommRecorder(device)
 
@@ -225,19 +224,14 @@ def main() -> None:
             # The step's one host sync: every device scalar the metrics need, copied together.
             loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
             step_comm = recorder.take()
-            row = metrics.step_row(
+            row = log.row(
                 step=step + 1,
                 loss=loss_value,  # every rank computed the whole batch's loss
                 grad_norm=grad_norm,
                 lr=lr,
                 target_tokens=n_target,
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
-                config=config,
-                n_lora=n_lora,
                 seconds=timer.seconds,
-                peak=peak,
-                devices=tp,
-                device=device,
                 # the block-boundary activations [micro, seq, hidden] of the step, for the comm theory
                 activation_bytes=activation_elems * dtype.itemsize,
                 **({"comm": step_comm} if sampled else {}),
@@ -260,12 +254,8 @@ def main() -> None:
         return
     if finished:
         run.save_adapter(run_dir / "adapter", adapter, peft_config)
-    summary = metrics.run_summary(
-        run_config,
-        log,
-        run_dir=run_dir,
-        last_step=last_step,
-        peak=peak,
+    summary = log.run_summary(
+        last_step,
         predicted=metrics.predicted_memory(config, args, "tp", world_size=tp),
         note=metrics.memory_note(device),
         # Theory per micro-batch and decoder layer, on activations [micro, seq, hidden] (`activation_bytes` per step
