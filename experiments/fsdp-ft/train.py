@@ -273,8 +273,7 @@ def main() -> None:
     model.train()
     last_step = args.stop_after or args.max_steps
     kv_cache_bytes = 0
-    profiler = StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step)
-    with profiler:
+    with StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step) as profiler:
         for step in range(start_step, last_step):
             metrics.reset_peak_memory(device)
             # Target tokens of the whole global batch, all ranks together: the loss denominator. Every rank

@@ -292,8 +292,7 @@ def main() -> None:
     # ---- train
     last_step = args.max_steps if args.stop_after is None else args.stop_after
     timeline: dict | None = None
-    profiler = StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step)
-    with profiler:
+    with StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step) as profiler:
         for step in range(start_step, last_step):
             metrics.reset_peak_memory(device)
             denominator[0] = batches.n_target(step)  # target tokens of the whole global batch
