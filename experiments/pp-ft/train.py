@@ -315,11 +315,8 @@ def main() -> None:
                         sq += p.grad.detach().float().pow(2).sum()
                 dist.all_reduce(sq)
                 grad_norm = sq.sqrt()
-                if args.max_grad_norm > 0:
-                    scale = (args.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
-                    for p in trainable:
-                        if p.grad is not None:
-                            p.grad.mul_(scale)
+                clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+                torch.nn.utils.clip_grads_with_norm_(trainable, clip, grad_norm)
                 optimizer.step()
                 lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
                 scheduler.step()
@@ -406,11 +403,7 @@ def main() -> None:
         "as zero",
         # Each micro-batch crosses every stage boundary once forward (activations) and once backward (their
         # gradients): micro x --max-length x hidden x bytes, 2 (stages - 1) m times per step.
-        activation_bytes_per_microbatch=args.micro_batch_size
-        * args.max_length
-        * config.hidden_size
-        * torch.finfo(dtype).bits
-        // 8,
+        activation_bytes_per_microbatch=args.micro_batch_size * args.max_length * config.hidden_size * dtype.itemsize,
         **comm.summarize(rows),
         comm_note="per optimizer step, all ranks together: the point-to-point sends between stages (activations "
         "forward, their gradients backward), counted where the stages build them; time is not measured",
