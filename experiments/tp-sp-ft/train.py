@@ -316,10 +316,8 @@ def main() -> None:
     batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
     # Sequence parallelism splits the sequence into equal parts: every micro-batch is right-padded to a multiple
     # of the TP degree (masked out of attention and of the loss, so the step is unchanged).
-    eval_batches = [
-        data.pad_to_multiple(mb, tp)
-        for mb in run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
-    ]
+    eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
+    eval_batches = [data.pad_to_multiple(mb, tp) for mb in eval_batches]
 
     # ---- model: the whole bf16 base and the PEFT LoRA are built on every rank (the same seed, the same init),
     # then each rank keeps its slices. A real-size run would load only its shard; here clarity wins.
