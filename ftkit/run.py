@@ -821,6 +821,15 @@ def save_adapter(path: Path, weights: dict[str, torch.Tensor], peft_config) -> N
         peft_config.inference_mode = inference_mode
 
 
+def dump_grads(grads: dict[str, torch.Tensor], run_dir: Path, rank: int) -> None:
+    """--dump-grads: rank 0 writes the LoRA gradients of step 3, reassembled to full shapes (every rank takes part
+    in the reassembly), to grads-step3.safetensors."""
+    import safetensors.torch
+
+    if rank == 0:
+        safetensors.torch.save_file(grads, run_dir / "grads-step3.safetensors")
+
+
 @torch.no_grad()
 def dump_logits(
     model, batch: dict, device: torch.device, path: Path, rank: int, dtype: torch.dtype = torch.float32

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import os
 
-import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
@@ -204,9 +203,7 @@ def main() -> None:
                         loss.backward()  # the same loss on every rank: no scaling by the world size
                         loss_sum += loss.detach()
                 if args.dump_grads and step == 2:
-                    grads = full_lora(model, grads=True)
-                    if rank == 0:
-                        safetensors.torch.save_file(grads, run_dir / "grads-step3.safetensors")
+                    run.dump_grads(full_lora(model, grads=True), run_dir, rank)
                 # The global gradient norm: the DTensor shards' squares summed over the mesh, the replicated
                 # adapters counted once. (clip_grad_norm_ refuses a mix of DTensor and plain tensors.)
                 sq = sum((p.grad.to_local() ** 2).sum() for p in trainable if isinstance(p, DTensor))

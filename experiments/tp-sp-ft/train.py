@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import os
 
-import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -395,9 +394,7 @@ def main() -> None:
                         loss_sum += loss.detach()
                     sync_replicated_grads(replicated, group)
                 if args.dump_grads and step == 2:
-                    grads = full_lora(model, group, grads=True)
-                    if rank == 0:
-                        safetensors.torch.save_file(grads, run_dir / "grads-step3.safetensors")
+                    run.dump_grads(full_lora(model, group, grads=True), run_dir, rank)
                 # The global gradient norm: replicated tensors count once, the sharded ones summed over ranks (one
                 # scalar all-reduce, outside the accounting like the metrics' own).
                 sharded = [p for p in trainable if all(p is not q for q in replicated)]
