@@ -452,6 +452,16 @@ def collate(items: Sequence[Encoded], pad_id: int = 0) -> dict:
     }
 
 
+def pad_to_multiple(mb: dict, multiple: int) -> dict:
+    """A collated micro-batch right-padded so that its sequence length is a multiple of `multiple`. The padding
+    is masked out of attention (mask 0) and of the loss (label -100): a step on it is unchanged."""
+    extra = -mb["input_ids"].shape[1] % multiple
+    if extra == 0:
+        return mb
+    fill = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX}  # the [rows, seq] tensors; the rest as is
+    return {k: torch.nn.functional.pad(v, (0, extra), value=fill[k]) if k in fill else v for k, v in mb.items()}
+
+
 def to_device(batch: dict, device: torch.device) -> dict:
     """The batch's tensors on `device` (Python values as they are). On CUDA the copy goes from pinned memory
     with non_blocking=True: a copy from pageable memory makes the host wait for it."""

@@ -274,6 +274,52 @@ class MetricsLog:
         return out
 
 
+class RunLog(MetricsLog):
+    """A run's MetricsLog that also holds what its step rows and its summary take from the run as a whole: the
+    run's config.json, the model config and the adapter size (FLOPs), the devices and their peak FLOP/s (MFU)."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        rank: int,
+        args,
+        start_step: int,
+        *,
+        run_config: dict,
+        model_config,
+        n_lora: int,
+        devices: int,
+        device: torch.device,
+    ):
+        super().__init__(run_dir, rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress)
+        self.run_dir, self.run_config, self.model_config, self.n_lora = run_dir, run_config, model_config, n_lora
+        self.devices, self.device, self.peak = devices, device, peak_flops(device)
+
+    def row(self, **measured) -> dict:
+        """`step_row` for this run: `measured` is what the step measured (step, loss, ..., the technique's)."""
+        return step_row(
+            config=self.model_config,
+            n_lora=self.n_lora,
+            peak=self.peak,
+            devices=self.devices,
+            device=self.device,
+            **measured,
+        )
+
+    def run_summary(self, last_step: int, predicted: dict, note: str, **technique) -> dict:
+        """`run_summary` for this run."""
+        return run_summary(
+            self.run_config,
+            self,
+            run_dir=self.run_dir,
+            last_step=last_step,
+            peak=self.peak,
+            predicted=predicted,
+            note=note,
+            **technique,
+        )
+
+
 class StepTimer:
     """The time of a block of work on `device`. On CPU, wall-clock. On CUDA the host only queues kernels, so a
     wall-clock would measure the launches: CUDA events are recorded on the stream at the start and the end,

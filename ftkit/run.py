@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ftkit import metrics
 from ftkit.data import SHIPPED
 from ftkit.profiling import parse_profile_steps
 
@@ -201,6 +202,22 @@ def common_parser(description: str, experiment: str) -> argparse.ArgumentParser:
     return p
 
 
+def add_dump_flags(group: argparse._ArgumentGroup) -> None:
+    """--dump-grads and --dump-logits, for the tensor-parallel experiments: what a test compares with the same
+    step on one device."""
+    group.add_argument(
+        "--dump-grads",
+        action="store_true",
+        help="write step 3's LoRA gradients, reassembled to full shapes, to grads-step3.safetensors (the column "
+        "layers' A gradients are zero while B is: at init, and after step 1, which warmup runs at lr 0)",
+    )
+    group.add_argument(
+        "--dump-logits",
+        action="store_true",
+        help="after training, write the logits of the first eval micro-batch to logits.pt (for a one-device check)",
+    )
+
+
 SMOKE = dict(
     model="tiny",
     data=DEFAULT_DATA,
@@ -307,6 +324,18 @@ def share_cpu_cores(device: torch.device) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
+def init_process_group(device: torch.device) -> None:
+    """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR/PORT). On GPUs both backends: NCCL
+    moves CUDA tensors only, and gloo gives a CPU tensor (a metric, a pickled object, a CPU-offloaded gradient's
+    norm) a route instead of an error; device_id binds the NCCL communicator to this rank's GPU. gloo on CPU."""
+    import torch.distributed as dist
+
+    if device.type == "cuda":
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+
+
 def launch(main) -> None:
     """Run a train.py's `main`: a RunError/DataError/CheckpointError ends it with its message and exit code 2, not
     a traceback. Then destroy the process group, if one is up, and leave without running the C++ static
@@ -335,6 +364,17 @@ def launch(main) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def adamw_cosine(
+    params: list[torch.nn.Parameter], args: argparse.Namespace
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """Every experiment's optimizer: AdamW (--lr, --weight-decay) over `params`, and its schedule: linear warmup
+    over --warmup-steps, then cosine decay to 0 at --max-steps. Returns (optimizer, scheduler)."""
+    from transformers import get_cosine_schedule_with_warmup
+
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    return optimizer, get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
 
 
 def check_tp_degree(config, tp: int) -> None:
@@ -613,11 +653,12 @@ def commit_checkpoint(tmp: Path, step: int, state: dict, keep: int) -> Path:
     return final
 
 
-def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, seed: int, keep: int) -> None:
+def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, scheduler, args: argparse.Namespace) -> None:
     """Checkpoint `step` of a run whose trainable state is spread over the ranks (FSDP's shards, TP's DTensors).
     Every rank writes its own pieces of the trainable parameters and of the optimizer state with
     torch.distributed.checkpoint, into one folder on storage all ranks see; rank 0 adds the scheduler and every
-    rank's RNG state, then commits the folder. A collective: every rank calls it."""
+    rank's RNG state, then commits the folder (--seed recorded, --keep-checkpoints kept). A collective: every rank
+    calls it."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
@@ -632,7 +673,7 @@ def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, schedule
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         for r, state in enumerate(rng):
             torch.save(state, tmp / f"rng-rank{r}.pt")
-        commit_checkpoint(tmp, step, {"seed": seed, "world_size": world}, keep)
+        commit_checkpoint(tmp, step, {"seed": args.seed, "world_size": world}, args.keep_checkpoints)
     dist.barrier()  # no rank goes on (or exits, with --stop-after) before the checkpoint is complete
 
 
@@ -668,12 +709,12 @@ def load_sharded_checkpoint(ckpt: Path, model, optimizer, scheduler, any_world: 
 
 
 def save_rank_checkpoint(
-    run_dir: Path, step: int, params: dict, optimizer, scheduler, seed: int, keep: int, **state
+    run_dir: Path, step: int, params: dict, optimizer, scheduler, args: argparse.Namespace, **state
 ) -> None:
     """Checkpoint `step` of a run whose ranks each hold their own part of the adapter as plain tensors (hand-rolled
     tensor parallelism's slices, a pipeline's stages): every rank writes its trainable parameters (by name), its
     optimizer state and its RNG stream to rank<r>.pt; once all have written, rank 0 adds the scheduler and commits
-    the folder, with `state` in its trainer_state.json. A collective."""
+    the folder, with `state` in its trainer_state.json (as `save_sharded_checkpoint`). A collective."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -687,7 +728,7 @@ def save_rank_checkpoint(
     dist.barrier()  # every rank's file is complete before rank 0 commits
     if rank == 0:
         torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        commit_checkpoint(tmp, step, {"seed": seed, "world_size": world, **state}, keep)
+        commit_checkpoint(tmp, step, {"seed": args.seed, "world_size": world, **state}, args.keep_checkpoints)
     dist.barrier()  # no rank goes on (or exits, with --stop-after) before the checkpoint is complete
 
 
@@ -801,6 +842,15 @@ def save_adapter(path: Path, weights: dict[str, torch.Tensor], peft_config) -> N
         peft_config.inference_mode = inference_mode
 
 
+def dump_grads(grads: dict[str, torch.Tensor], run_dir: Path, rank: int) -> None:
+    """--dump-grads: rank 0 writes the LoRA gradients of step 3, reassembled to full shapes (every rank takes part
+    in the reassembly), to grads-step3.safetensors."""
+    import safetensors.torch
+
+    if rank == 0:
+        safetensors.torch.save_file(grads, run_dir / "grads-step3.safetensors")
+
+
 @torch.no_grad()
 def dump_logits(
     model, batch: dict, device: torch.device, path: Path, rank: int, dtype: torch.dtype = torch.float32
@@ -818,8 +868,49 @@ def dump_logits(
         torch.save({"batch": batch, "logits": logits.cpu()}, path)
 
 
-def write_summary(run_dir: Path, summary: dict) -> None:
+def start_log(
+    args: argparse.Namespace,
+    run_dir: Path,
+    device: torch.device,
+    train_stats,
+    counts: dict,
+    accum: int,
+    start_step: int,
+    resume_from: Path | None,
+    model_config,
+    n_lora: int | None = None,
+    **technique,
+) -> metrics.RunLog:
+    """What every run records before its first step, on every rank: its config.json (written by rank 0; on resume
+    checked against the run's own flags, after saying where it resumed) and the log of its steps, which knows
+    the model config and adapter size (`n_lora`, the trainable count by default) for the FLOPs and the devices
+    for MFU. `technique`: what the technique adds to config.json."""
+    import torch.distributed as dist
+
+    if resume_from is not None:
+        print0(f"resumed from {resume_from} at step {start_step}")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    hardware = metrics.hardware(device, world_size=world)
+    config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum, **technique)
+    on_rank0(init_run_dir, run_dir, args, config, resume_step=start_step if resume_from is not None else None)
+    n_lora = counts["trainable"] if n_lora is None else n_lora
+    return metrics.RunLog(
+        run_dir,
+        rank,
+        args,
+        start_step,
+        run_config=config,
+        model_config=model_config,
+        n_lora=n_lora,
+        devices=world,
+        device=device,
+    )
+
+
+def finish(args: argparse.Namespace, run_dir: Path, summary: dict, finished: bool) -> None:
+    """Rank 0, at the end: summary.json, then the run's last lines (`report_end`)."""
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    report_end(args, run_dir, finished)
 
 
 # ---------------------------------------------------------------------------------------------- eval
@@ -871,6 +962,8 @@ def on_rank0(fn, *args, **kwargs):
 
     from ftkit.data import DataError
 
+    if not dist.is_initialized():  # one process: it is rank 0
+        return fn(*args, **kwargs)
     box: list = [None]
     if dist.get_rank() == 0:
         try:

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from peft import set_peft_model_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
-from transformers import get_cosine_schedule_with_warmup
 
 from ftkit import comm, data, metrics, models, run
 from ftkit.profiling import StepProfiler
@@ -102,12 +101,8 @@ def main() -> None:
     # collective meanwhile, where NCCL's 10-minute timeout would end the run.
     models.fetch(args.model)
     splits = data.load_splits(args.data, args.data_revision)
-    # NCCL moves CUDA tensors only; "cpu:gloo,cuda:nccl" gives a CPU tensor (a metric, a pickled object) a gloo
-    # route instead of an error, and device_id binds the NCCL communicator to this rank's GPU.
-    if device.type == "cuda":
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, a pickled object).
+    run.init_process_group(device)
     rank = dist.get_rank()
     dtype = run.torch_dtype(args.dtype)
     # Rank 0 names the run directory (its clock, its checks) and every rank uses that one.
@@ -155,8 +150,7 @@ def main() -> None:
     grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+    optimizer, scheduler = run.adamw_cosine(trainable, args)
 
     # ---- resume: adapter, optimizer, scheduler and each rank's RNG; the data position is the step itself.
     # Every rank reads the checkpoint rank 0 wrote, so a multi-node run needs the run directory on shared storage.
@@ -174,17 +168,8 @@ def main() -> None:
         scheduler.load_state_dict(opt["scheduler"])
         run.restore_rng(resume_from, state, rank, world)
         start_step = state["step"]
-        run.print0(f"resumed from {resume_from} at step {start_step}")
 
-    hardware = metrics.hardware(device, world_size=world)
-    run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum)
-    run.on_rank0(
-        run.init_run_dir, run_dir, args, run_config, resume_step=start_step if resume_from is not None else None
-    )
-    log = metrics.MetricsLog(
-        run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
-    )
-    peak = metrics.peak_flops(device)
+    log = run.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config)
 
     def save_checkpoint(step: int) -> None:
         # The replicas are identical, so rank 0 saves the adapter and optimizer; only the RNG differs per rank.
@@ -202,8 +187,7 @@ def main() -> None:
     # ---- train
     model.train()
     last_step = args.stop_after or args.max_steps
-    profiler = StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step)
-    with profiler:
+    with StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step) as profiler:
         for step in range(start_step, last_step):
             metrics.reset_peak_memory(device)
             # Target tokens of the whole global batch, all ranks together: the loss denominator. Every rank
@@ -245,19 +229,14 @@ def main() -> None:
             dist.all_reduce(loss_sum)
             global_loss, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
             step_comm = recorder.take()
-            row = metrics.step_row(
+            row = log.row(
                 step=step + 1,
                 loss=global_loss,
                 grad_norm=grad_norm,
                 lr=lr,
                 target_tokens=n_target,
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
-                config=config,
-                n_lora=counts["trainable"],
                 seconds=timer.seconds,
-                peak=peak,
-                devices=world,
-                device=device,
                 comm=step_comm,
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
@@ -277,12 +256,8 @@ def main() -> None:
         return
     if finished:
         model.module.save_pretrained(run_dir / "adapter")
-    summary = metrics.run_summary(
-        run_config,
-        log,
-        run_dir=run_dir,
-        last_step=last_step,
-        peak=peak,
+    summary = log.run_summary(
+        last_step,
         predicted=metrics.predicted_memory(config, args, "ddp", quant=args.quant, world_size=world),
         note=metrics.memory_note(device),
         # What theory says DDP sends per optimizer step: the trainable gradients, once (once per micro-step with
@@ -294,8 +269,7 @@ def main() -> None:
         "bytes of the buckets, buckets issued, and time from issue to completion summed over buckets "
         "(they overlap backward and each other); the metrics' own loss/eval all-reduces are not counted",
     )
-    run.write_summary(run_dir, summary)
-    run.report_end(args, run_dir, finished)
+    run.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,6 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import get_cosine_schedule_with_warmup
 
 from ftkit import comm, data, metrics, models, run
 from ftkit.profiling import StepProfiler
@@ -174,12 +173,8 @@ def main() -> None:
     # collective meanwhile, where NCCL's 10-minute timeout would end the run.
     models.fetch(args.model)
     splits = data.load_splits(args.data, args.data_revision)
-    # NCCL moves CUDA tensors only; "cpu:gloo,cuda:nccl" gives a CPU tensor (a metric, a pickled object, a
-    # CPU-offloaded gradient's norm) a gloo route instead of an error; device_id binds NCCL to this rank's GPU.
-    if device.type == "cuda":
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, an offloaded grad norm).
+    run.init_process_group(device)
     rank, world = dist.get_rank(), dist.get_world_size()
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=world)
     dtype = run.torch_dtype(args.dtype)
@@ -256,24 +251,14 @@ def main() -> None:
 
     recorder = comm.CommRecorder(device)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+    optimizer, scheduler = run.adamw_cosine(trainable, args)
     # ---- resume: the sharded adapter + optimizer state (each rank reads its own pieces with
     # torch.distributed.checkpoint), the scheduler and each rank's RNG; the data position is the step itself.
     start_step = 0
     if resume_from is not None:
         start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler, any_world=True)
-        run.print0(f"resumed from {resume_from} at step {start_step}")
 
-    hardware = metrics.hardware(device, world_size=world)
-    run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum)
-    run.on_rank0(
-        run.init_run_dir, run_dir, args, run_config, resume_step=start_step if resume_from is not None else None
-    )
-    log = metrics.MetricsLog(
-        run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
-    )
-    peak = metrics.peak_flops(device)
+    log = run.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config)
 
     def save_adapter(path) -> None:
         # Gather the full adapter onto rank 0's CPU (a collective: every rank takes part) and write it as a stock
@@ -288,8 +273,7 @@ def main() -> None:
     model.train()
     last_step = args.stop_after or args.max_steps
     kv_cache_bytes = 0
-    profiler = StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step)
-    with profiler:
+    with StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step) as profiler:
         for step in range(start_step, last_step):
             metrics.reset_peak_memory(device)
             # Target tokens of the whole global batch, all ranks together: the loss denominator. Every rank
@@ -349,19 +333,14 @@ def main() -> None:
             totals = torch.stack([loss_sum, lost])
             dist.all_reduce(totals)
             global_loss, lost, grad_norm = torch.cat([totals, grad_norm.reshape(1).to(totals.dtype)]).tolist()
-            row = metrics.step_row(
+            row = log.row(
                 step=step + 1,
                 loss=global_loss,
                 grad_norm=grad_norm,
                 lr=lr,
                 target_tokens=n_target,
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
-                config=config,
-                n_lora=counts["trainable"],
                 seconds=timer.seconds,
-                peak=peak,
-                devices=world,
-                device=device,
                 comm=step_comm,
             )
             if args.count_lost_updates:
@@ -376,9 +355,7 @@ def main() -> None:
             log.log(row)
             if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
                 # Every rank writes its own shards (torch.distributed.checkpoint); storage all ranks see.
-                run.save_sharded_checkpoint(
-                    run_dir, step + 1, model, optimizer, scheduler, args.seed, args.keep_checkpoints
-                )
+                run.save_sharded_checkpoint(run_dir, step + 1, model, optimizer, scheduler, args)
             profiler.step(step + 1)
     log.close()
 
@@ -390,12 +367,8 @@ def main() -> None:
         return
     itemsize = run.torch_dtype(args.param_dtype).itemsize
     trainable_numel = counts["trainable"]
-    summary = metrics.run_summary(
-        run_config,
-        log,
-        run_dir=run_dir,
-        last_step=last_step,
-        peak=peak,
+    summary = log.run_summary(
+        last_step,
         predicted=metrics.predicted_memory(
             config, args, "fsdp", world_size=world, reshard_after_forward=args.reshard_after_forward
         ),
@@ -424,8 +397,7 @@ def main() -> None:
     )
     if args.use_cache:
         summary["kv_cache_bytes"] = kv_cache_bytes
-    run.write_summary(run_dir, summary)
-    run.report_end(args, run_dir, finished)
+    run.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":

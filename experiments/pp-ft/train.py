@@ -26,7 +26,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
-from transformers import get_cosine_schedule_with_warmup
 
 from ftkit import comm, data, metrics, models, run
 from ftkit.profiling import StepProfiler
@@ -149,12 +148,8 @@ def main() -> None:
     # collective meanwhile, where NCCL's 10-minute timeout would end the run.
     models.fetch(args.model)
     splits = data.load_splits(args.data, args.data_revision)
-    # NCCL moves CUDA tensors only; "cpu:gloo,cuda:nccl" gives a CPU tensor (a metric, a pickled object) a gloo
-    # route instead of an error, and device_id binds the NCCL communicator to this rank's GPU.
-    if device.type == "cuda":
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, a pickled object).
+    run.init_process_group(device)
     rank = dist.get_rank()
     stage_ids = list(range(rank, n_stages, world))  # rank r: stage r, and r + world when interleaved
     dtype = run.torch_dtype(args.dtype)
@@ -237,8 +232,7 @@ def main() -> None:
     comm.record_stage_sends(stages, recorder)
 
     trainable = [p for m in modules for p in m.parameters() if p.requires_grad]  # this rank's stages only
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+    optimizer, scheduler = run.adamw_cosine(trainable, args)
 
     # This rank's LoRA weights under the full model's adapter keys (unique across stages).
     lora = {
@@ -263,9 +257,7 @@ def main() -> None:
         if state.get("schedule") != args.schedule:  # another schedule deals the layers into other stages
             raise run.RunError(f"{resume_from} was written with --schedule {state.get('schedule')}; resume it with it")
         start_step = run.load_rank_checkpoint(resume_from, lora, optimizer, scheduler)
-        run.print0(f"resumed from {resume_from} at step {start_step}")
 
-    hardware = metrics.hardware(device, world_size=world)
     pipeline = {
         "schedule": args.schedule,
         "ranks": world,
@@ -274,14 +266,9 @@ def main() -> None:
         "layers_per_stage": per_stage,
         "microbatches": accum,
     }
-    run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum, pipeline=pipeline)
-    run.on_rank0(
-        run.init_run_dir, run_dir, args, run_config, resume_step=start_step if resume_from is not None else None
+    log = run.start_log(
+        args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, pipeline=pipeline
     )
-    log = metrics.MetricsLog(
-        run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
-    )
-    peak = metrics.peak_flops(device)
 
     def eval_loss() -> float:
         # Forward only, through the same pipeline; the loss function returns plain sums here.
@@ -305,8 +292,7 @@ def main() -> None:
     # ---- train
     last_step = args.max_steps if args.stop_after is None else args.stop_after
     timeline: dict | None = None
-    profiler = StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step)
-    with profiler:
+    with StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step) as profiler:
         for step in range(start_step, last_step):
             metrics.reset_peak_memory(device)
             denominator[0] = batches.n_target(step)  # target tokens of the whole global batch
@@ -329,11 +315,8 @@ def main() -> None:
                         sq += p.grad.detach().float().pow(2).sum()
                 dist.all_reduce(sq)
                 grad_norm = sq.sqrt()
-                if args.max_grad_norm > 0:
-                    scale = (args.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
-                    for p in trainable:
-                        if p.grad is not None:
-                            p.grad.mul_(scale)
+                clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+                torch.nn.utils.clip_grads_with_norm_(trainable, clip, grad_norm)
                 optimizer.step()
                 lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
                 scheduler.step()
@@ -355,19 +338,14 @@ def main() -> None:
                 "count": sum(s.get("send", {}).get("count", 0) for s in sends),
                 "time_s": 0.0,
             }
-            row = metrics.step_row(
+            row = log.row(
                 step=step + 1,
                 loss=loss,
                 grad_norm=grad_norm,
                 lr=lr,
                 target_tokens=denominator[0],
                 lengths=batches.lengths(step),  # real tokens of the global batch: known on the host
-                config=config,
-                n_lora=counts["trainable"],
                 seconds=timer.seconds,
-                peak=peak,
-                devices=world,
-                device=device,
                 comm={"send": send},
                 pipeline_time_s=pipe_s,
                 busy_s=busy_s,
@@ -383,16 +361,7 @@ def main() -> None:
                 dist.all_gather_object(events, step_events)
                 timeline = {"ranks": world, "stages": n_stages, "microbatches": accum, "events": events}
             if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
-                run.save_rank_checkpoint(
-                    run_dir,
-                    step + 1,
-                    lora,
-                    optimizer,
-                    scheduler,
-                    args.seed,
-                    args.keep_checkpoints,
-                    schedule=args.schedule,
-                )
+                run.save_rank_checkpoint(run_dir, step + 1, lora, optimizer, scheduler, args, schedule=args.schedule)
             profiler.step(step + 1)
     log.close()
 
@@ -408,12 +377,8 @@ def main() -> None:
     # The memory model knows GPipe's and 1F1B's in-flight micro-batches. Interleaved 1F1B keeps no more than
     # GPipe does (at most m micro-batches' activations per layer), so GPipe's figure is its upper bound.
     rows = log.rows
-    summary = metrics.run_summary(
-        run_config,
-        log,
-        run_dir=run_dir,
-        last_step=last_step,
-        peak=peak,
+    summary = log.run_summary(
+        last_step,
         predicted=metrics.predicted_memory(
             config,
             args,
@@ -438,17 +403,12 @@ def main() -> None:
         "as zero",
         # Each micro-batch crosses every stage boundary once forward (activations) and once backward (their
         # gradients): micro x --max-length x hidden x bytes, 2 (stages - 1) m times per step.
-        activation_bytes_per_microbatch=args.micro_batch_size
-        * args.max_length
-        * config.hidden_size
-        * torch.finfo(dtype).bits
-        // 8,
+        activation_bytes_per_microbatch=args.micro_batch_size * args.max_length * config.hidden_size * dtype.itemsize,
         **comm.summarize(rows),
         comm_note="per optimizer step, all ranks together: the point-to-point sends between stages (activations "
         "forward, their gradients backward), counted where the stages build them; time is not measured",
     )
-    run.write_summary(run_dir, summary)
-    run.report_end(args, run_dir, finished)
+    run.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ from __future__ import annotations
 import safetensors.torch
 import torch
 from peft import set_peft_model_state_dict
-from transformers import get_cosine_schedule_with_warmup
 
 from ftkit import data, metrics, models, run
 from ftkit.profiling import StepProfiler
@@ -61,8 +60,7 @@ def main() -> None:
     print(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+    optimizer, scheduler = run.adamw_cosine(trainable, args)
 
     # ---- resume: adapter, optimizer, scheduler and RNG; the data position is the step itself
     start_step = 0
@@ -78,12 +76,8 @@ def main() -> None:
         scheduler.load_state_dict(opt["scheduler"])
         run.set_rng_state(run.load_torch(resume_from / "rng.pt"))
         start_step = state["step"]
-        print(f"resumed from {resume_from} at step {start_step}")
 
-    run_config = metrics.run_config(args, metrics.hardware(device, world_size=1), train_stats.as_dict(), counts, accum)
-    run.init_run_dir(run_dir, args, run_config, resume_step=start_step if resume_from is not None else None)
-    log = metrics.MetricsLog(run_dir, rank=0, total_steps=args.max_steps, start_step=start_step, progress=args.progress)
-    peak = metrics.peak_flops(device)
+    log = run.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config)
 
     def save_checkpoint(step: int) -> None:
         tmp = run.staging_dir(run_dir, step)
@@ -95,8 +89,7 @@ def main() -> None:
     # ---- train
     model.train()
     last_step = args.stop_after or args.max_steps
-    profiler = StepProfiler(args.profile_steps, run_dir, device, 0, start_step=start_step)
-    with profiler:
+    with StepProfiler(args.profile_steps, run_dir, device, 0, start_step=start_step) as profiler:
         for step in range(start_step, last_step):
             metrics.reset_peak_memory(device)
             n_target = batches.n_target(step)  # target tokens of the whole global batch: the loss denominator
@@ -123,19 +116,14 @@ def main() -> None:
                 optimizer.zero_grad(set_to_none=True)
             # The step's one host sync: the device scalars the metrics need, copied together.
             loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
-            row = metrics.step_row(
+            row = log.row(
                 step=step + 1,
                 loss=loss_value,
                 grad_norm=grad_norm,
                 lr=lr,
                 target_tokens=n_target,
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
-                config=config,
-                n_lora=counts["trainable"],
                 seconds=timer.seconds,
-                peak=peak,
-                devices=1,
-                device=device,
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
                 sums = run.eval_loss_sums(model, eval_batches, device, dtype)
@@ -150,17 +138,12 @@ def main() -> None:
     finished = last_step == args.max_steps
     if finished:
         model.save_pretrained(run_dir / "adapter")
-    summary = metrics.run_summary(
-        run_config,
-        log,
-        run_dir=run_dir,
-        last_step=last_step,
-        peak=peak,
+    summary = log.run_summary(
+        last_step,
         predicted=metrics.predicted_memory(config, args, "single", quant=args.quant),
         note=metrics.memory_note(device),
     )
-    run.write_summary(run_dir, summary)
-    run.report_end(args, run_dir, finished)
+    run.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":

@@ -18,13 +18,11 @@ from __future__ import annotations
 import contextlib
 import os
 
-import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from transformers import get_cosine_schedule_with_warmup
 
 from ftkit import comm, data, metrics, models, run
 from ftkit.profiling import StepProfiler
@@ -48,17 +46,7 @@ def parse_args():
         help="record DTensor's collectives on every step; by default only on sampled steps (the first step run "
         "and every eval step), since the dispatch mode that sees them runs Python on every op of the step",
     )
-    g.add_argument(
-        "--dump-grads",
-        action="store_true",
-        help="write step 3's LoRA gradients, reassembled to full shapes, to grads-step3.safetensors (the column "
-        "layers' A gradients are zero while B is: at init, and after step 1, which warmup runs at lr 0)",
-    )
-    g.add_argument(
-        "--dump-logits",
-        action="store_true",
-        help="after training, write the logits of the first eval micro-batch to logits.pt (for a one-device check)",
-    )
+    run.add_dump_flags(g)  # --dump-grads, --dump-logits: for the tests' one-device comparison
     return run.resolve(p.parse_args())
 
 
@@ -120,12 +108,8 @@ def main() -> None:
     # alike, before the data, the process group or any weight.
     run.check_tp_degree(models.model_config(args.model), int(os.environ["WORLD_SIZE"]))
     splits = data.load_splits(args.data, args.data_revision)
-    # NCCL moves CUDA tensors only; "cpu:gloo,cuda:nccl" gives a CPU tensor (a metric, a pickled object) a gloo
-    # route instead of an error, and device_id binds the NCCL communicator to this rank's GPU.
-    if device.type == "cuda":
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, a pickled object).
+    run.init_process_group(device)
     rank, tp = dist.get_rank(), dist.get_world_size()
     # TP does not split the batch: data-parallel degree 1, every rank runs every micro-batch.
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
@@ -166,31 +150,23 @@ def main() -> None:
     run.print0(f"parameters (whole model): {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+    optimizer, scheduler = run.adamw_cosine(trainable, args)
 
     # ---- resume: the adapter's DTensor shards and replicated tensors and the optimizer state (each rank reads its
     # own pieces with torch.distributed.checkpoint), the scheduler and each rank's RNG.
     start_step = 0
     if resume_from is not None:
         start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler)
-        run.print0(f"resumed from {resume_from} at step {start_step}")
 
-    hardware = metrics.hardware(device, world_size=tp)
-    run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum, tensor_parallel=tp)
-    resume_step = start_step if resume_from is not None else None
-    run.on_rank0(run.init_run_dir, run_dir, args, run_config, resume_step=resume_step)
-    log = metrics.MetricsLog(
-        run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
+    log = run.start_log(
+        args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, n_lora, tensor_parallel=tp
     )
-    peak = metrics.peak_flops(device)
     recorder = comm.CommRecorder(device)
 
     # ---- train
     model.train()
     last_step = args.stop_after or args.max_steps
-    profiler = StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step)
-    with profiler:
+    with StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step) as profiler:
         for step in range(start_step, last_step):
             metrics.reset_peak_memory(device)
             n_target = batches.n_target(step)  # the whole global batch's target tokens, on every rank
@@ -227,9 +203,7 @@ def main() -> None:
                         loss.backward()  # the same loss on every rank: no scaling by the world size
                         loss_sum += loss.detach()
                 if args.dump_grads and step == 2:
-                    grads = full_lora(model, grads=True)
-                    if rank == 0:
-                        safetensors.torch.save_file(grads, run_dir / "grads-step3.safetensors")
+                    run.dump_grads(full_lora(model, grads=True), run_dir, rank)
                 # The global gradient norm: the DTensor shards' squares summed over the mesh, the replicated
                 # adapters counted once. (clip_grad_norm_ refuses a mix of DTensor and plain tensors.)
                 sq = sum((p.grad.to_local() ** 2).sum() for p in trainable if isinstance(p, DTensor))
@@ -246,19 +220,14 @@ def main() -> None:
             # The step's one host sync: every device scalar the metrics need, copied together.
             loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
             step_comm = recorder.take()
-            row = metrics.step_row(
+            row = log.row(
                 step=step + 1,
                 loss=loss_value,  # every rank computed the whole batch's loss
                 grad_norm=grad_norm,
                 lr=lr,
                 target_tokens=n_target,
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
-                config=config,
-                n_lora=n_lora,
                 seconds=timer.seconds,
-                peak=peak,
-                devices=tp,
-                device=device,
                 # the block-boundary activations [micro, seq, hidden] of the step, for the comm theory
                 activation_bytes=activation_elems * dtype.itemsize,
                 **({"comm": step_comm} if sampled else {}),
@@ -268,9 +237,7 @@ def main() -> None:
                 row["eval_loss"] = (sums[0] / sums[1]).item()
             log.log(row)
             if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
-                run.save_sharded_checkpoint(
-                    run_dir, step + 1, model, optimizer, scheduler, args.seed, args.keep_checkpoints
-                )
+                run.save_sharded_checkpoint(run_dir, step + 1, model, optimizer, scheduler, args)
             profiler.step(step + 1)
     log.close()
 
@@ -283,12 +250,8 @@ def main() -> None:
         return
     if finished:
         run.save_adapter(run_dir / "adapter", adapter, peft_config)
-    summary = metrics.run_summary(
-        run_config,
-        log,
-        run_dir=run_dir,
-        last_step=last_step,
-        peak=peak,
+    summary = log.run_summary(
+        last_step,
         predicted=metrics.predicted_memory(config, args, "tp", world_size=tp),
         note=metrics.memory_note(device),
         # Theory per micro-batch and decoder layer, on activations [micro, seq, hidden] (`activation_bytes` per step
@@ -302,8 +265,7 @@ def main() -> None:
         "Recorded on sampled steps only (the first step run and every eval step; all with --comm-every-step): "
         "the rows with a `comm` entry, and the means here are over those rows",
     )
-    run.write_summary(run_dir, summary)
-    run.report_end(args, run_dir, finished)
+    run.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":

@@ -20,11 +20,9 @@ from __future__ import annotations
 import contextlib
 import os
 
-import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from transformers import get_cosine_schedule_with_warmup
 
 from ftkit import comm, data, metrics, models, run
 from ftkit.profiling import StepProfiler
@@ -43,17 +41,7 @@ def parse_args():
         help="plain Megatron TP: the activations between blocks replicated on every rank, f/g all-reduces",
     )
     g.add_argument("--merge", action="store_true", help="also write the base with the LoRA merged in (merged/)")
-    g.add_argument(
-        "--dump-grads",
-        action="store_true",
-        help="write step 3's LoRA gradients, reassembled to full shapes, to grads-step3.safetensors (the column "
-        "layers' A gradients are zero while B is: at init, and after step 1, which warmup runs at lr 0)",
-    )
-    g.add_argument(
-        "--dump-logits",
-        action="store_true",
-        help="after training, write the logits of the first eval micro-batch to logits.pt (for a one-device check)",
-    )
+    run.add_dump_flags(g)  # --dump-grads, --dump-logits: for the tests' one-device comparison
     return run.resolve(p.parse_args())
 
 
@@ -301,16 +289,6 @@ def full_lora(model, group, grads: bool = False) -> dict[str, torch.Tensor]:
     return out
 
 
-def pad_to_multiple(mb: dict, multiple: int) -> dict:
-    """Sequence parallelism splits the sequence into equal parts: right-pad to a multiple of the TP degree. The
-    padding is masked out of attention (mask 0) and of the loss (label -100), so the step is unchanged."""
-    extra = -mb["input_ids"].shape[1] % multiple
-    if extra == 0:
-        return mb
-    fill = {"input_ids": 0, "attention_mask": 0, "labels": -100}  # the [rows, seq] tensors; the rest is unchanged
-    return {k: F.pad(v, (0, extra), value=fill[k]) if k in fill else v for k, v in mb.items()}
-
-
 def main() -> None:
     args = parse_args()
     # ---- process group: one process per GPU; all of them form one tensor-parallel group.
@@ -323,12 +301,8 @@ def main() -> None:
     # alike, before the data, the process group or any weight.
     run.check_tp_degree(models.model_config(args.model), int(os.environ["WORLD_SIZE"]))
     splits = data.load_splits(args.data, args.data_revision)
-    # NCCL moves CUDA tensors only; "cpu:gloo,cuda:nccl" gives a CPU tensor (a metric, a pickled object) a gloo
-    # route instead of an error, and device_id binds the NCCL communicator to this rank's GPU.
-    if device.type == "cuda":
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
-    else:
-        dist.init_process_group("gloo")
+    # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, a pickled object).
+    run.init_process_group(device)
     rank, tp = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     # TP does not split the batch: data-parallel degree 1, every rank runs every micro-batch.
@@ -339,9 +313,10 @@ def main() -> None:
     # ---- data: every rank builds the same global batches and runs all of them (rank 0 of a world of 1).
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
     batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
-    eval_batches = [
-        pad_to_multiple(mb, tp) for mb in run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
-    ]
+    # Sequence parallelism splits the sequence into equal parts: every micro-batch is right-padded to a multiple
+    # of the TP degree (masked out of attention and of the loss, so the step is unchanged).
+    eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
+    eval_batches = [data.pad_to_multiple(mb, tp) for mb in eval_batches]
 
     # ---- model: the whole bf16 base and the PEFT LoRA are built on every rank (the same seed, the same init),
     # then each rank keeps its slices. A real-size run would load only its shard; here clarity wins.
@@ -365,23 +340,16 @@ def main() -> None:
     replicated_bytes = sum(p.numel() * p.element_size() for p in replicated)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
-    scheduler = get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+    optimizer, scheduler = run.adamw_cosine(trainable, args)
     # ---- resume: each rank reads back its own slices, their optimizer state and its RNG (rank<r>.pt)
     lora = {name: p for name, p in model.named_parameters() if p.requires_grad}
     start_step = 0
     if resume_from is not None:
         start_step = run.load_rank_checkpoint(resume_from, lora, optimizer, scheduler)
-        run.print0(f"resumed from {resume_from} at step {start_step}")
 
-    hardware = metrics.hardware(device, world_size=tp)
-    run_config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum, tensor_parallel=tp)
-    resume_step = start_step if resume_from is not None else None
-    run.on_rank0(run.init_run_dir, run_dir, args, run_config, resume_step=resume_step)
-    log = metrics.MetricsLog(
-        run_dir, rank=rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress
+    log = run.start_log(
+        args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, n_lora, tensor_parallel=tp
     )
-    peak = metrics.peak_flops(device)
     recorder = comm.CommRecorder(device)
 
     def norm_sq(params: list[torch.nn.Parameter]) -> torch.Tensor:
@@ -397,8 +365,7 @@ def main() -> None:
     # ---- train
     model.train()
     last_step = args.stop_after or args.max_steps
-    profiler = StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step)
-    with profiler:
+    with StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step) as profiler:
         for step in range(start_step, last_step):
             metrics.reset_peak_memory(device)
             n_target = batches.n_target(step)  # the whole global batch's target tokens, on every rank
@@ -407,7 +374,7 @@ def main() -> None:
             with metrics.StepTimer(device) as timer:
                 with comm.recording(recorder):  # the technique's traffic: the blocks' collectives + the LoRA sync
                     for mb in batches.micro_batches(step, args.micro_batch_size):
-                        mb = data.to_device(pad_to_multiple(mb, tp), device)
+                        mb = data.to_device(data.pad_to_multiple(mb, tp), device)
                         activation_elems += mb["input_ids"].numel() * config.hidden_size
                         measure = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
                         with contextlib.nullcontext() if measured_tokens else measure:
@@ -427,9 +394,7 @@ def main() -> None:
                         loss_sum += loss.detach()
                     sync_replicated_grads(replicated, group)
                 if args.dump_grads and step == 2:
-                    grads = full_lora(model, group, grads=True)
-                    if rank == 0:
-                        safetensors.torch.save_file(grads, run_dir / "grads-step3.safetensors")
+                    run.dump_grads(full_lora(model, group, grads=True), run_dir, rank)
                 # The global gradient norm: replicated tensors count once, the sharded ones summed over ranks (one
                 # scalar all-reduce, outside the accounting like the metrics' own).
                 sharded = [p for p in trainable if all(p is not q for q in replicated)]
@@ -445,19 +410,14 @@ def main() -> None:
             # The step's one host sync: every device scalar the metrics need, copied together.
             loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
             step_comm = recorder.take()
-            row = metrics.step_row(
+            row = log.row(
                 step=step + 1,
                 loss=loss_value,  # every rank computed the whole batch's loss
                 grad_norm=grad_norm,
                 lr=lr,
                 target_tokens=n_target,
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
-                config=config,
-                n_lora=n_lora,
                 seconds=timer.seconds,
-                peak=peak,
-                devices=tp,
-                device=device,
                 comm=step_comm,
                 activation_bytes=activation_elems * dtype.itemsize,
             )
@@ -466,9 +426,7 @@ def main() -> None:
                 row["eval_loss"] = (sums[0] / sums[1]).item()
             log.log(row)
             if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
-                run.save_rank_checkpoint(
-                    run_dir, step + 1, lora, optimizer, scheduler, args.seed, args.keep_checkpoints
-                )
+                run.save_rank_checkpoint(run_dir, step + 1, lora, optimizer, scheduler, args)
             profiler.step(step + 1)
     log.close()
 
@@ -483,12 +441,8 @@ def main() -> None:
         run.save_adapter(run_dir / "adapter", adapter, peft_config)
     if args.merge and finished:
         models.merge_adapter(args.model, args.seed, run_dir / "adapter", run_dir / "merged", len(tokenizer), dtype)
-    summary = metrics.run_summary(
-        run_config,
-        log,
-        run_dir=run_dir,
-        last_step=last_step,
-        peak=peak,
+    summary = log.run_summary(
+        last_step,
         predicted=metrics.predicted_memory(config, args, "tp-sp" if args.sequence_parallel else "tp", world_size=tp),
         note=metrics.memory_note(device),
         sequence_parallel=args.sequence_parallel,
@@ -505,8 +459,7 @@ def main() -> None:
         # Layer 1 on rank 0, first micro-batch: `tokens` is what this rank's norms and residual stream hold.
         activations_measured={**measured, "tokens": measured_tokens},
     )
-    run.write_summary(run_dir, summary)
-    run.report_end(args, run_dir, finished)
+    run.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":
