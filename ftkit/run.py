@@ -884,7 +884,8 @@ def start_log(
     """What every run records before its first step, on every rank: its config.json (written by rank 0; on resume
     checked against the run's own flags, after saying where it resumed) and the log of its steps, which knows
     the model config and adapter size (`n_lora`, the trainable count by default) for the FLOPs and the devices
-    for MFU. `technique`: what the technique adds to config.json."""
+    for MFU. `technique`: what the technique adds to config.json. With a process group, every rank then checks
+    that it sees the run directory rank 0 wrote to (`check_shared_run_dir`)."""
     import torch.distributed as dist
 
     if resume_from is not None:
@@ -893,6 +894,8 @@ def start_log(
     hardware = metrics.hardware(device, world_size=world)
     config = metrics.run_config(args, hardware, train_stats.as_dict(), counts, accum, **technique)
     on_rank0(init_run_dir, run_dir, args, config, resume_step=start_step if resume_from is not None else None)
+    if dist.is_initialized():
+        check_shared_run_dir(run_dir)
     n_lora = counts["trainable"] if n_lora is None else n_lora
     return metrics.RunLog(
         run_dir,
