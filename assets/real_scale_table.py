@@ -15,10 +15,10 @@ GIB = 2**30
 
 def main() -> None:
     print(
-        "| run | technique | world | checkpointing | tracked peak GiB | predicted GiB | tracked / predicted "
-        "| FLOPs counted / convention | with recompute / counted | bf16 share of matmul FLOPs |"
+        "| run | technique | world | global batch | checkpointing | tracked peak GiB | predicted GiB "
+        "| tracked / predicted | FLOPs counted / convention | with recompute / counted | bf16 share of matmul FLOPs |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for path in sorted(RUNS.glob("*.json")):
         r = json.loads(path.read_text())
         ratio = r["flops_counted_with_recompute"] / r["flops_counted"]
@@ -26,6 +26,7 @@ def main() -> None:
             path.stem,
             r["technique"],
             r["world_size"],
+            r["config"]["batch_size"],
             r["config"]["grad_checkpointing"],
             f"{r['tracked_peak_bytes'] / GIB:.2f}",
             f"{r['predicted_bytes'] / GIB:.2f}",
