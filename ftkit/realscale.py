@@ -40,8 +40,9 @@ import torch
 from ftkit import data, memory, metrics, models, run
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = {"single": "single-gpu-ft", "ddp": "ddp-ft", "fsdp": "fsdp-ft", "tp": "tp-ft"}
-NOT_YET = ("tp-sp", "pp")
+SCRIPTS = {"single": "single-gpu-ft", "ddp": "ddp-ft", "fsdp": "fsdp-ft", "tp": "tp-ft", "tp-sp": "tp-sp-ft"}
+NOT_YET = ("pp",)
+TENSOR_PARALLEL = ("tp", "tp-sp")  # every rank runs every sequence
 LABEL = (
     "tracked on fake tensors at Qwen3-4B's shape; excludes the CUDA context, NCCL buffers and allocator fragmentation"
 )
@@ -116,12 +117,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     opts = p.parse_args(argv)
     if opts.technique in NOT_YET:
         raise RealScaleError(
-            f"--technique {opts.technique} is not yet supported by ftkit.realscale (single, ddp, fsdp and tp are); "
-            "see issue 10"
+            f"--technique {opts.technique} is not yet supported by ftkit.realscale (single, ddp, fsdp, tp and "
+            "tp-sp are); see issue 10"
         )
     if opts.world < 1 or (opts.technique == "single" and opts.world != 1):
         raise RealScaleError(f"--world {opts.world}: single runs on one device (--world 1); the others take 1 or more")
-    if opts.technique == "tp":
+    if opts.technique in TENSOR_PARALLEL:
         run.check_tp_degree(models.model_config(models.QWEN3_4B_SHAPE), opts.world)
     if opts.layers is not None and not 1 <= opts.layers <= models.QWEN3_4B_CONFIG["num_hidden_layers"]:
         raise RealScaleError(f"--layers must be in 1..{models.QWEN3_4B_CONFIG['num_hidden_layers']}, got {opts.layers}")
@@ -143,9 +144,11 @@ def script_args(script, opts: argparse.Namespace) -> argparse.Namespace:
     if opts.technique == "fsdp":
         if opts.quant == "nf4":
             argv.append("--qlora")  # the script refuses it, and says why
-    elif opts.technique == "tp":
+    elif opts.technique in TENSOR_PARALLEL:
         if opts.quant == "nf4":
-            raise RealScaleError("--quant nf4: experiments/tp-ft/train.py trains LoRA on a bf16 base (no QLoRA)")
+            raise RealScaleError(
+                f"--quant nf4: experiments/{SCRIPTS[opts.technique]}/train.py trains LoRA on a bf16 base (no QLoRA)"
+            )
     else:
         argv += ["--quant", opts.quant]
     with mock.patch.object(sys, "argv", argv):
@@ -223,7 +226,8 @@ class MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
 
 def build(technique: str, script, args, world: int, device: torch.device, layers: int | None = None):
     """The model as the script builds it, on the meta device (shapes only), and for FSDP sharded by the script's
-    own `shard_model`, for TP by its own `lora_aware_plan`; (model, parameter counts: the whole model's)."""
+    own `shard_model`, for TP by its own `lora_aware_plan`, for TP+SP by its own `parallelize`; (model, parameter
+    counts: the whole model's)."""
     dtype = run.torch_dtype(args.dtype)
     shape = {} if layers is None else {"num_hidden_layers": layers}
     with mock.patch.dict(models.QWEN3_4B_CONFIG, shape):
@@ -250,6 +254,14 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
             parallelize_module(layer, mesh, script.lora_aware_plan())
         for name, p in model.named_parameters():
             p.requires_grad_("lora_" in name)
+    elif technique == "tp-sp":  # as experiments/tp-sp-ft/train.py: checkpointing, PEFT, then its parallel linears
+        import torch.distributed as dist
+
+        if args.grad_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+        counts = models.parameter_counts(model)
+        script.parallelize(model, world, 0, dist.group.WORLD, args.sequence_parallel)
     else:  # as experiments/single-gpu-ft and ddp-ft/train.py
         model = models.freeze_base(
             model, args.grad_checkpointing, reentrant=getattr(args, "reentrant_checkpointing", False)
@@ -281,7 +293,7 @@ def measure(opts: argparse.Namespace) -> dict:
     args = script_args(script, opts)
     device = torch.device("cpu")
     dtype = run.torch_dtype(args.dtype)
-    dp = 1 if technique in ("single", "tp") else world  # TP splits the layers, not the batch
+    dp = 1 if technique in ("single", *TENSOR_PARALLEL) else world  # TP splits the layers, not the batch
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=dp)
     stand_ins: list[str] = [
         "tensors on the CPU device under FakeTensorMode (faking CUDA fails at FSDP2's CUDA streams): attention is "
@@ -301,6 +313,8 @@ def measure(opts: argparse.Namespace) -> dict:
     model, counts = build(technique, script, args, world, device, opts.layers)
     config = model.config
     mb = synthetic_micro_batch(args.micro_batch_size, args.max_length, opts.answer_tokens, config.vocab_size)
+    if technique == "tp-sp":  # as tp-sp-ft pads: sequence parallelism splits the sequence into equal parts
+        mb = data.pad_to_multiple(mb, world)
     runs = min(accum, opts.micro_steps or accum)  # micro-steps run per optimizer step
     if runs < accum:
         stand_ins.append(
@@ -318,6 +332,7 @@ def measure(opts: argparse.Namespace) -> dict:
             model, buckets = wrap_ddp(model, args, stand_ins)
         ddp = hasattr(model, "no_sync")
         trainable = [p for p in model.parameters() if p.requires_grad]
+        replicated = script.replicated_lora(model) if technique == "tp-sp" else []
         optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
 
         def micro_step(sync: bool) -> None:
@@ -330,6 +345,12 @@ def measure(opts: argparse.Namespace) -> dict:
                 loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
                 del out
                 (loss * world).backward()
+                return
+            if technique == "tp-sp":  # tp-sp-ft's: bf16 base, its linears cast the adapters; the same loss everywhere
+                out = model(**kwargs)
+                loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                del out
+                loss.backward()
                 return
             # single-gpu-ft / ddp-ft / tp-ft: the adapters compute in bf16 under autocast; DDP accumulates under
             # no_sync; TP runs the whole batch on every rank (dp 1)
@@ -352,6 +373,12 @@ def measure(opts: argparse.Namespace) -> dict:
                 coef = (clip / (norm + 1e-6)).clamp(max=1.0)
                 for p in trainable:
                     (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
+            elif technique == "tp-sp":  # tp-sp-ft's: sum the replicated LoRA grads' shares, then clip on the norm
+                script.sync_replicated_grads(replicated, dist.group.WORLD)
+                sq = sum((p.grad.float() ** 2).sum() for p in trainable if all(p is not q for q in replicated))
+                dist.all_reduce(sq)
+                norm = (sq + sum((p.grad.float() ** 2).sum() for p in replicated)).sqrt()
+                torch.nn.utils.clip_grads_with_norm_(trainable, clip, norm)
             else:
                 torch.nn.utils.clip_grad_norm_(trainable, clip)
             optimizer.step()
@@ -390,13 +417,15 @@ def measure(opts: argparse.Namespace) -> dict:
         setting["world_size"] = world
     if technique == "fsdp":
         setting["reshard_after_forward"] = args.reshard_after_forward
-    predicted = metrics.predicted_memory(config, args, technique, logit_positions=opts.answer_tokens, **setting)
-    predicted_upper = metrics.predicted_memory(config, args, technique, **setting)
+    # The memory model's name for it: tp-sp-ft without sequence parallelism is plain Megatron TP.
+    modelled = "tp" if technique == "tp-sp" and not args.sequence_parallel else technique
+    predicted = metrics.predicted_memory(config, args, modelled, logit_positions=opts.answer_tokens, **setting)
+    predicted_upper = metrics.predicted_memory(config, args, modelled, **setting)
 
     lengths = [args.max_length] * args.micro_batch_size * accum  # rank 0's sequences per optimizer step
     # The convention's FLOPs for those sequences, and the share of them that is rank 0's: all of them with data
     # parallelism (each rank its own sequences), 1/world of them with TP (every rank runs every sequence).
-    share = 1 / world if technique == "tp" else 1
+    share = 1 / world if technique in TENSOR_PARALLEL else 1
     scale = accum / runs  # exact: every micro-step counts the same
     # This command's count (MatmulDtypes: local shards), checked against FlopCounterMode's, which counts a DTensor
     # op at its logical shape: the two agree where no DTensor computes (single, ddp, fsdp's gathered weights).
@@ -436,6 +465,7 @@ def measure(opts: argparse.Namespace) -> dict:
             "grad_checkpointing": args.grad_checkpointing,
             "steps_tracked": opts.steps,
             **({"reshard_after_forward": args.reshard_after_forward} if technique == "fsdp" else {}),
+            **({"sequence_parallel": args.sequence_parallel} if technique == "tp-sp" else {}),
         },
         "parameters": counts,
         "tracked_peak_bytes": tracked_total,
@@ -460,9 +490,9 @@ def measure(opts: argparse.Namespace) -> dict:
         "(no causal halving) and the lm_head where it runs (logits_to_keep: the answer positions only)"
         + (
             f". TP: every rank runs every sequence, and the convention here is rank 0's 1/{world} share of the "
-            "step; tp-ft shards the decoder layers only, so every rank computes the whole lm_head (and holds the "
-            "whole embedding)"
-            if technique == "tp"
+            "step; the script shards the decoder layers only, so every rank computes the whole lm_head (and holds "
+            "the whole embedding)"
+            if technique in TENSOR_PARALLEL
             else ""
         ),
         "bf16_matmul_fraction": dtypes.by_dtype.get("bfloat16", 0) / matmul_total if matmul_total else None,
