@@ -12,6 +12,7 @@ checkpointing's recomputed forward is not counted (PaLM's MFU, Chowdhery et al. 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -423,13 +424,14 @@ def run_summary(
 class SavedActivations:
     """Bytes autograd saves for backward while some modules run (distinct storages, parameters excluded): what a
     region of the model (a decoder layer, its norms) really keeps, to check the memory model's
-    `layer_activation_bytes` against. Use `pack` as the pack hook of `torch.autograd.graph.saved_tensors_hooks`
-    around one forward, then `bytes()`."""
+    `layer_activation_bytes` against. Wrap the forwards in `first_forward(tokens)`: the first one is measured
+    (`measured`: bytes per region, and the `tokens` it ran on), the later ones run untouched."""
 
     def __init__(self, model, regions: dict[str, list[torch.nn.Module]]):
         self.params = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self.active: set[str] = set()
         self.saved: dict[str, dict[int, int]] = {name: {} for name in regions}
+        self.measured: dict[str, int] = {}
         self.handles = []
         for name, modules in regions.items():
             for m in modules:
@@ -447,6 +449,15 @@ class SavedActivations:
         for h in self.handles:
             h.remove()
         return {name: sum(s.values()) for name, s in self.saved.items()}
+
+    @contextlib.contextmanager
+    def first_forward(self, tokens: int):
+        if self.measured:
+            yield
+            return
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+            yield
+        self.measured = {**self.bytes(), "tokens": tokens}
 
 
 class ActionTimer:

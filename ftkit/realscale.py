@@ -301,8 +301,9 @@ def measure(opts: argparse.Namespace) -> dict:
         "and autocast applies its CPU op lists",
         f"a synthetic batch: {args.micro_batch_size} x {args.max_length} random tokens per micro-batch, every "
         f"sequence full length, the last {opts.answer_tokens} positions the answer (loss and lm_head)",
-        "the training loop's step (forward, token_loss_sum, backward, clip, AdamW step, zero_grad) is restated here "
-        "from the script; the learning-rate schedule, metrics and evaluation are left out",
+        "the training loop's step (forward, token_loss_sum, backward, AdamW step, zero_grad) is restated here "
+        "from the script, the TP scripts' gradient sync and clip called from them; the learning-rate schedule, "
+        "metrics and evaluation are left out",
     ]
     if technique != "single" and not dist.is_initialized():
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -362,25 +363,15 @@ def measure(opts: argparse.Namespace) -> dict:
                 (loss * dp).backward()
 
         def optimizer_step() -> None:
-            clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-            if technique == "tp":  # tp-ft's clip: clip_grad_norm_ refuses its mix of DTensor and plain gradients
-                from torch.distributed.tensor import DTensor
-
-                sharded = [p.grad.to_local() for p in trainable if isinstance(p.grad, DTensor)]
-                sq = sum((g**2).sum() for g in sharded)
-                dist.all_reduce(sq)
-                norm = (sq + sum((p.grad**2).sum() for p in trainable if not isinstance(p.grad, DTensor))).sqrt()
-                coef = (clip / (norm + 1e-6)).clamp(max=1.0)
-                for p in trainable:
-                    (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
-            elif technique == "tp-sp":  # tp-sp-ft's: sum the replicated LoRA grads' shares, then clip on the norm
+            if technique == "tp":  # the scripts' own clips: each mixes sharded and replicated gradients
+                script.clip_grads(trainable, args.max_grad_norm)
+            elif technique == "tp-sp":  # tp-sp-ft also sums the replicated LoRA gradients' shares first
                 script.sync_replicated_grads(replicated, dist.group.WORLD)
-                sq = sum((p.grad.float() ** 2).sum() for p in trainable if all(p is not q for q in replicated))
-                dist.all_reduce(sq)
-                norm = (sq + sum((p.grad.float() ** 2).sum() for p in replicated)).sqrt()
-                torch.nn.utils.clip_grads_with_norm_(trainable, clip, norm)
+                script.clip_grads(trainable, replicated, dist.group.WORLD, args.max_grad_norm)
             else:
-                torch.nn.utils.clip_grad_norm_(trainable, clip)
+                torch.nn.utils.clip_grad_norm_(
+                    trainable, args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+                )
             optimizer.step()
             optimizer.zero_grad(set_to_none=not getattr(args, "gradient_as_bucket_view", False))
 

@@ -83,6 +83,20 @@ def naive_plan() -> dict:
     return plan
 
 
+def clip_grads(trainable: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """The global gradient norm, and the gradients clipped to `max_norm` (0: not clipped) as clip_grad_norm_ clips,
+    the factor left on the device: the DTensor shards' squares summed over the mesh, the replicated adapters
+    counted once. (clip_grad_norm_ itself refuses a mix of DTensor and plain tensors.)"""
+    sq = sum((p.grad.to_local() ** 2).sum() for p in trainable if isinstance(p.grad, DTensor))
+    dist.all_reduce(sq)
+    norm = (sq + sum((p.grad**2).sum() for p in trainable if not isinstance(p.grad, DTensor))).sqrt()
+    if max_norm > 0:
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for p in trainable:
+            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
+    return norm
+
+
 def full_lora(model, grads: bool = False) -> dict[str, torch.Tensor]:
     """The whole adapter (or its gradient) under PEFT's names: DTensor shards gathered with `full_tensor()`,
     replicated tensors as they are. Every rank takes part; the result is the same on every rank."""
@@ -204,15 +218,7 @@ def main() -> None:
                         loss_sum += loss.detach()
                 if args.dump_grads and step == 2:
                     run.dump_grads(full_lora(model, grads=True), run_dir, rank)
-                # The global gradient norm: the DTensor shards' squares summed over the mesh, the replicated
-                # adapters counted once. (clip_grad_norm_ refuses a mix of DTensor and plain tensors.)
-                sq = sum((p.grad.to_local() ** 2).sum() for p in trainable if isinstance(p, DTensor))
-                dist.all_reduce(sq)
-                grad_norm = (sq + sum((p.grad**2).sum() for p in trainable if not isinstance(p, DTensor))).sqrt()
-                if args.max_grad_norm > 0:  # clipped as clip_grad_norm_ clips, with the factor left on the device
-                    coef = (args.max_grad_norm / (grad_norm + 1e-6)).clamp(max=1.0)
-                    for p in trainable:
-                        (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
+                grad_norm = clip_grads(trainable, args.max_grad_norm)
                 optimizer.step()
                 lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
                 scheduler.step()

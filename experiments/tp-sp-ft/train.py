@@ -17,7 +17,6 @@ a transformers Qwen3ForCausalLM: only its seven projections are replaced, in pla
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -158,27 +157,24 @@ class GatherSeq(torch.autograd.Function):
 # ---- the parallel linears, LoRA built in. PEFT computes y = x W^T + s * (x A^T) B^T (A: r x in, B: out x r).
 
 
-def lora_dropout(peft_linear) -> torch.nn.Module:
-    """PEFT's dropout module for the adapter's input (nn.Identity at --lora-dropout 0). Every rank seeded its RNG
-    alike and runs the same ops, so the ranks draw the same mask for a replicated input: the column layers'
-    replicas see the same dropped X, as one GPU's layer would."""
-    return peft_linear.lora_dropout["default"]
+class ParallelLoRALinear(torch.nn.Module):
+    """This rank's slices of a PEFT LoRA linear: the frozen W and the adapter's A and B, each split along its dim in
+    `split` (None: whole on every rank). The dropout is PEFT's module (nn.Identity at --lora-dropout 0): every rank
+    seeded its RNG alike and runs the same ops, so the ranks draw the same mask for a replicated input, as one
+    GPU's layer would."""
 
-
-class ColumnParallelLoRALinear(torch.nn.Module):
-    """Y_i = X W_i^T + s (X A^T) B_i^T: W and B split by output rows, A whole on every rank (its rank-r output
-    is needed in full by every slice of B). X arrives already replicated (after f / the SP all-gather).
-
-    A's gradient s (dY_i B_i)^T X is only rank i's share of the sum over output slices: `sync_replicated_grads`
-    all-reduces it once per optimizer step."""
-
-    def __init__(self, peft_linear, tp: int, rank: int):
+    def __init__(self, peft_linear, tp: int, rank: int, split: dict[str, int | None]):
         super().__init__()
-        self.weight = torch.nn.Parameter(peft_linear.base_layer.weight.detach().chunk(tp, 0)[rank].clone(), False)
-        self.lora_A = torch.nn.Parameter(peft_linear.lora_A["default"].weight.detach().clone())
-        self.lora_B = torch.nn.Parameter(peft_linear.lora_B["default"].weight.detach().chunk(tp, 0)[rank].clone())
+        self.split = split
+
+        def part(t: torch.Tensor, dim: int | None) -> torch.Tensor:
+            return (t if dim is None else t.chunk(tp, dim)[rank]).detach().clone()
+
+        self.weight = torch.nn.Parameter(part(peft_linear.base_layer.weight, split["W"]), requires_grad=False)
+        self.lora_A = torch.nn.Parameter(part(peft_linear.lora_A["default"].weight, split["A"]))
+        self.lora_B = torch.nn.Parameter(part(peft_linear.lora_B["default"].weight, split["B"]))
         self.scaling = peft_linear.scaling["default"]
-        self.dropout = lora_dropout(peft_linear)
+        self.dropout = peft_linear.lora_dropout["default"]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # As the PEFT scripts do under autocast: the adapter computes in x's dtype, its small fp32 weights cast.
@@ -186,43 +182,41 @@ class ColumnParallelLoRALinear(torch.nn.Module):
         return F.linear(x, self.weight) + lora
 
 
-class RowParallelLoRALinear(torch.nn.Module):
+class ColumnParallelLoRALinear(ParallelLoRALinear):
+    """Y_i = X W_i^T + s (X A^T) B_i^T: W and B split by output rows, A whole on every rank (its rank-r output
+    is needed in full by every slice of B). X arrives already replicated (after f / the SP all-gather).
+
+    A's gradient s (dY_i B_i)^T X is only rank i's share of the sum over output slices: `sync_replicated_grads`
+    all-reduces it once per optimizer step."""
+
+    def __init__(self, peft_linear, tp: int, rank: int):
+        super().__init__(peft_linear, tp, rank, split={"W": 0, "A": None, "B": 0})
+
+
+class RowParallelLoRALinear(ParallelLoRALinear):
     """Z = sum_i [X_i W_i^T + s (X_i A_i^T) B^T]: W and A split by input columns, B whole. LoRA is linear, so B
     is applied before the sum and the adapter rides on the base layer's one reduction (g, or g-bar under SP):
     no collective of its own. B's gradient s (X_i A_i^T)^T dZ is rank i's share: all-reduced once per step."""
 
     def __init__(self, peft_linear, tp: int, rank: int, exit_block):
-        super().__init__()
-        self.weight = torch.nn.Parameter(peft_linear.base_layer.weight.detach().chunk(tp, 1)[rank].clone(), False)
-        self.lora_A = torch.nn.Parameter(peft_linear.lora_A["default"].weight.detach().chunk(tp, 1)[rank].clone())
-        self.lora_B = torch.nn.Parameter(peft_linear.lora_B["default"].weight.detach().clone())
-        self.scaling = peft_linear.scaling["default"]
-        self.dropout = lora_dropout(peft_linear)
+        super().__init__(peft_linear, tp, rank, split={"W": 1, "A": 1, "B": None})
         self.exit_block = exit_block
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lora = F.linear(F.linear(self.dropout(x), self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype)) * self.scaling
-        return self.exit_block(F.linear(x, self.weight) + lora)
+        return self.exit_block(super().forward(x))
 
 
 def parallelize(model, tp: int, rank: int, group, sequence_parallel: bool) -> None:
     """Replace the seven projections of every decoder layer, in place, and put the block-entry collective in front
     of the attention and the MLP. The model stays a Qwen3ForCausalLM; `model` is the PEFT-wrapped one, whose
     LoRA initialisation (seeded like every other experiment's) the parallel linears take over."""
-    if sequence_parallel:
+    into, out_of = (GatherSeqToTP, ReduceScatterSeqFromTP) if sequence_parallel else (CopyToTP, ReduceFromTP)
 
-        def enter(x):
-            return GatherSeqToTP.apply(x, group)
+    def enter(x):
+        return into.apply(x, group)
 
-        def exit_block(x):
-            return ReduceScatterSeqFromTP.apply(x, group)
-    else:
-
-        def enter(x):
-            return CopyToTP.apply(x, group)
-
-        def exit_block(x):
-            return ReduceFromTP.apply(x, group)
+    def exit_block(x):
+        return out_of.apply(x, group)
 
     for layer in model.base_model.model.model.layers:
         for block, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (layer.mlp, None)):
@@ -248,13 +242,13 @@ def parallelize(model, tp: int, rank: int, group, sequence_parallel: bool) -> No
 
 def parallel_linears(model):
     for name, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLoRALinear, RowParallelLoRALinear)):
+        if isinstance(module, ParallelLoRALinear):
             yield name, module
 
 
 def replicated_lora(model) -> list[torch.nn.Parameter]:
     """The LoRA tensors every rank holds whole but computes only a share of the gradient of."""
-    return [m.lora_A if isinstance(m, ColumnParallelLoRALinear) else m.lora_B for _, m in parallel_linears(model)]
+    return [getattr(m, f"lora_{w}") for _, m in parallel_linears(model) for w in "AB" if m.split[w] is None]
 
 
 def sync_replicated_grads(params: list[torch.nn.Parameter], group) -> None:
@@ -265,6 +259,20 @@ def sync_replicated_grads(params: list[torch.nn.Parameter], group) -> None:
     dist.all_reduce(flat, group=group)
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(g.view_as(p.grad))
+
+
+def clip_grads(trainable, replicated, group, max_norm: float) -> torch.Tensor:
+    """The global gradient norm, and the gradients clipped to `max_norm` (0: not clipped): the replicated tensors
+    count once, the sharded ones' squares are summed over ranks (one scalar all-reduce)."""
+
+    def sum_sq(params) -> torch.Tensor:
+        return sum((p.grad.float() ** 2).sum() for p in params)
+
+    sharded = sum_sq(p for p in trainable if all(p is not q for q in replicated))
+    dist.all_reduce(sharded, group=group)
+    norm = (sharded + sum_sq(replicated)).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(trainable, max_norm if max_norm > 0 else float("inf"), norm)
+    return norm
 
 
 def full_lora(model, group, grads: bool = False) -> dict[str, torch.Tensor]:
@@ -278,13 +286,10 @@ def full_lora(model, group, grads: bool = False) -> dict[str, torch.Tensor]:
         for which in ("A", "B"):
             p = getattr(m, f"lora_{which}")
             t = (p.grad if grads else p).detach()
-            split_dim = 0 if isinstance(m, ColumnParallelLoRALinear) and which == "B" else None
-            if isinstance(m, RowParallelLoRALinear) and which == "A":
-                split_dim = 1
-            if split_dim is not None:
+            if m.split[which] is not None:
                 parts = [torch.empty_like(t) for _ in range(tp)]
                 dist.all_gather(parts, t.contiguous(), group=group)
-                t = torch.cat(parts, dim=split_dim)
+                t = torch.cat(parts, dim=m.split[which])
             out[key.format(which)] = t.cpu().contiguous()
     return out
 
@@ -351,16 +356,11 @@ def main() -> None:
         args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, n_lora, tensor_parallel=tp
     )
     recorder = comm.CommRecorder(device)
-
-    def norm_sq(params: list[torch.nn.Parameter]) -> torch.Tensor:
-        return sum((p.grad.float() ** 2).sum() for p in params)
-
     # Per-rank activation memory, measured on the first micro-batch in layer 1 (layer 0's input needs no gradient,
     # so it saves less): what SP divides by the TP degree is the norms' part.
     layer = model.base_model.model.model.layers[1]
     norms = [layer.input_layernorm, layer.post_attention_layernorm]
     saved = metrics.SavedActivations(model, {"layer": [layer], "norms": norms})
-    measured, measured_tokens = {}, 0
 
     # ---- train
     model.train()
@@ -376,18 +376,14 @@ def main() -> None:
                     for mb in batches.micro_batches(step, args.micro_batch_size):
                         mb = data.to_device(data.pad_to_multiple(mb, tp), device)
                         activation_elems += mb["input_ids"].numel() * config.hidden_size
-                        measure = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
-                        with contextlib.nullcontext() if measured_tokens else measure:
+                        local_seq = mb["input_ids"].shape[1] // (tp if args.sequence_parallel else 1)
+                        with saved.first_forward(tokens=mb["input_ids"].shape[0] * local_seq):
                             # The lm_head runs on the answer positions only: the loss needs no other logits.
                             out = model(
                                 input_ids=mb["input_ids"],
                                 attention_mask=mb["attention_mask"],
                                 logits_to_keep=mb["logit_positions"],
                             )
-                        if not measured_tokens:
-                            measured = saved.bytes()
-                            local_seq = mb["input_ids"].shape[1] // (tp if args.sequence_parallel else 1)
-                            measured_tokens = mb["input_ids"].shape[0] * local_seq
                         loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
                         del out  # the logits are freed by backward, not kept alive into the next forward
                         loss.backward()  # the same loss on every rank: no scaling by the world size
@@ -395,14 +391,8 @@ def main() -> None:
                     sync_replicated_grads(replicated, group)
                 if args.dump_grads and step == 2:
                     run.dump_grads(full_lora(model, group, grads=True), run_dir, rank)
-                # The global gradient norm: replicated tensors count once, the sharded ones summed over ranks (one
-                # scalar all-reduce, outside the accounting like the metrics' own).
-                sharded = [p for p in trainable if all(p is not q for q in replicated)]
-                sq = norm_sq(sharded)
-                dist.all_reduce(sq, group=group)
-                grad_norm = (sq + norm_sq(replicated)).sqrt()
-                clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-                torch.nn.utils.clip_grads_with_norm_(trainable, clip, grad_norm)
+                # The global norm's one scalar all-reduce is outside the accounting, like the metrics' own.
+                grad_norm = clip_grads(trainable, replicated, group, args.max_grad_norm)
                 optimizer.step()
                 lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
                 scheduler.step()
@@ -457,7 +447,7 @@ def main() -> None:
         "bytes of the whole buffer (all-reduce tensor, all-gather output, reduce-scatter input); the metrics' "
         "own reductions and the adapter reassembly are not counted",
         # Layer 1 on rank 0, first micro-batch: `tokens` is what this rank's norms and residual stream hold.
-        activations_measured={**measured, "tokens": measured_tokens},
+        activations_measured=saved.measured,
     )
     run.finish(args, run_dir, summary, finished)
 
