@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from transformers import Qwen3Config
 
-from ftkit import comm, metrics, models
+from ftkit import comm, hardware, metrics, models
 from ftkit.memory import ModelShape, lora_params
 
 # Peak bandwidth per direction, bytes/s, for one GPU's link into the all-reduce.
@@ -28,7 +28,7 @@ LINKS = {
     "InfiniBand NDR 400 Gb/s, 50 GB/s": 50e9,
 }
 ASSUMED_MFU = 0.3
-H100_BF16 = dict(metrics.PEAK_BF16_FLOPS)["H100"]
+H100_BF16 = hardware.gpu("h100-sxm").bf16_flops
 SEQ, GLOBAL_BATCH, LORA_RANK = 2048, 16, 16  # the real run's defaults (ftkit/run.py REAL)
 
 

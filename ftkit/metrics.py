@@ -30,25 +30,16 @@ MFU_CONVENTION = (
     "MFU = FLOPs / (step time * peak dense bf16 FLOP/s * devices)"
 )
 
-# Dense bf16 tensor-core peak, FLOP/s, from NVIDIA's datasheets (without sparsity). Matched on
-# torch.cuda.get_device_name(); the most specific name first.
-PEAK_BF16_FLOPS = [
-    ("H200", 989e12),
-    ("H100 PCIe", 756e12),
-    ("H100 NVL", 835e12),
-    ("H100", 989e12),  # SXM5
-    ("A100", 312e12),
-    ("L40S", 362e12),
-    ("A10G", 70e12),
-    ("L4", 121e12),
-]
-
 
 def peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 tensor-core peak FLOP/s of this GPU, from the datasheets (`ftkit/hardware.py`); None off CUDA or
+    for a GPU not in the table."""
+    from ftkit.hardware import gpu_for_device_name
+
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((f for key, f in PEAK_BF16_FLOPS if key in name), None)
+    entry = gpu_for_device_name(torch.cuda.get_device_name(device))
+    return entry.bf16_flops if entry else None
 
 
 def matmul_params(config) -> int:

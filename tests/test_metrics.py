@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import torch
 
-from ftkit import metrics
+from ftkit import hardware, metrics
 
 
 def test_step_flops_by_hand():
@@ -34,11 +34,18 @@ def test_step_flops_by_hand():
 
 def test_peak_flops_table():
     assert metrics.peak_flops(torch.device("cpu")) is None
-    names = dict(metrics.PEAK_BF16_FLOPS)
-    assert names["H100"] == 989e12 and names["H100 PCIe"] == 756e12
-    # The most specific name must come first so "H100 PCIe" is not read as an SXM H100.
-    keys = [k for k, _ in metrics.PEAK_BF16_FLOPS]
-    assert keys.index("H100 PCIe") < keys.index("H100")
+    # Matched on torch.cuda.get_device_name(): the most specific entry first, so an H100 PCIe is not read as an
+    # SXM H100 nor an L40S as an L4.
+    names = {
+        "NVIDIA H100 80GB HBM3": 989e12,
+        "NVIDIA H100 PCIe": 756e12,
+        "NVIDIA L40S": 362e12,
+        "NVIDIA L4": 121e12,
+        "NVIDIA GeForce RTX 4090": 165.2e12,
+    }
+    for name, flops in names.items():
+        assert hardware.gpu_for_device_name(name).bf16_flops == flops, name
+    assert hardware.gpu_for_device_name("Tesla T4") is None
 
 
 def test_cpu_peak_memory_sees_an_allocation():
