@@ -152,7 +152,8 @@ def candidates(s: Setting) -> list[tuple[str, dict[str, int], str]]:
         out += [("ddp", {"dp": w}, "nf4"), ("ddp", {"dp": w}, "none"), ("fsdp", {"dp": w}, "none")]
         out += [("pp", {"pp": w}, "none"), ("tp", {"tp": w}, "none"), ("tp-sp", {"tp": w}, "none")]
         # TP inside a node, FSDP over the rest
-        out += [("fsdp-tp", {"dp": w // t, "tp": t}, "none") for t in range(2, s.per_node + 1) if s.per_node % t == 0]
+        tps = [t for t in range(2, s.per_node + 1) if s.per_node % t == 0 and w > t]
+        out += [("fsdp-tp", {"dp": w // t, "tp": t}, "none") for t in tps]
     return out
 
 
@@ -168,8 +169,6 @@ def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> di
             run.check_tp_degree(cfg, tp)
         if shape.layers % pp:
             raise ValueError(f"{pp} pipeline stages do not divide the model's {shape.layers} layers evenly")
-        if technique == "fsdp-tp" and dp == 1:
-            raise ValueError("a 2-D mesh needs more than one FSDP group: this is TP alone")
         accum = data.accumulation_steps(s.batch_size, s.micro_batch_size, dp)
     except (ValueError, run.RunError, data.DataError) as e:
         return {**row, "refused": str(e)}
@@ -340,7 +339,7 @@ def print_table(result: dict, model: str) -> None:
         f"{a['mfu']:.0%}, links at {a['link_efficiency']:.0%} of their bandwidth, memory x{a['memory_margin']} "
         f"+ {a['reserve_bytes'] / GIB:.1f} GiB"
     )
-    print(f"{'experiment':<30} {'mesh':<14} {'quant':<5} {'GiB':>6} {'fits':<4} {'compute s':>9} "
+    print(f"{'experiment':<30} {'mesh':<14} {'quant':<5} {'need GiB':>8} {'fits':<4} {'compute s':>9} "
           f"{'comm s':>7} {'bubble s':>8} {'step s':>7} {'tokens/s':>9}")  # fmt: skip
     for r in result["techniques"]:
         mesh = mesh_label(r["mesh"])
@@ -348,7 +347,7 @@ def print_table(result: dict, model: str) -> None:
             print(f"{r['experiment']:<30} {mesh:<14} {r['quant']:<5} refused: {r['refused']}")
             continue
         print(
-            f"{r['experiment']:<30} {mesh:<14} {r['quant']:<5} {r['required_bytes'] / GIB:6.1f} "
+            f"{r['experiment']:<30} {mesh:<14} {r['quant']:<5} {r['required_bytes'] / GIB:8.1f} "
             f"{'yes' if r['fits'] else 'no':<4} {r['compute_s']:9.3f} {r['exposed_comm_s']:7.3f} "
             f"{r['bubble_s']:8.3f} {r['step_time_s']:7.3f} {r['tokens_per_s']:9,.0f}"
         )

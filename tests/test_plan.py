@@ -5,6 +5,7 @@ three settings."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -144,3 +145,23 @@ def test_gpus_must_split_evenly_over_nodes(capsys):
     with pytest.raises(SystemExit):
         plan.main(["--gpus", "3", "--nodes", "2"])
     assert "--gpus 3 must be a positive multiple of --nodes 2" in capsys.readouterr().err
+
+
+def test_the_readme_shows_what_the_planner_prints(capsys):
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    command = "uv run python -m ftkit.plan --model Qwen/Qwen3-4B --gpus 2 --gpu rtx4090 --link pcie4"
+    shown = readme.split(f"```bash\n{command}\n```\n\n```\n", 1)[1].split("```", 1)[0]
+    plan.main(command.split()[5:])
+    assert capsys.readouterr().out == shown
+
+
+def test_the_tp_sp_posts_throughput_table_is_what_the_planner_predicts(capsys):
+    post = (Path(__file__).resolve().parents[1] / "blogs" / "tp-sp.md").read_text()
+    rows = re.findall(r"^\| [^|]*\(`(--gpu [^`]+)`\) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \|$", post, re.M)
+    assert len(rows) == 4
+    for flags, *shown in rows:
+        result = plan.main(["--gpus", "2", *flags.split(), "--json"])
+        columns = [row(result, "ddp-ft", quant="none"), row(result, "fsdp-ft"), row(result, "tp-sp-ft")]
+        predicted = [f"{r['tokens_per_s']:,.0f}" for r in [*columns, row(result, "tp-ft")]]
+        assert predicted == shown, flags
+    capsys.readouterr()
