@@ -204,24 +204,25 @@ def register_ddp_hook(ddp_model, recorder: CommRecorder, process_group=None) -> 
     ddp_model.register_comm_hook(process_group, hook)
 
 
-def summarize(rows: list[dict]) -> dict:
-    """Totals over the steps of a run from the `comm` entries of its metrics rows, and the per-step means the
-    devlog tables show (`comm_bytes_per_step`, `comm_count_per_step`, `comm_time_s_per_step`)."""
-    steps = [r["comm"] for r in rows if "comm" in r]
+def summarize(rows: list[dict], key: str = "comm") -> dict:
+    """Totals over the steps of a run from the `key` entries of its metrics rows (`comm`; a 2-D mesh records one per
+    dimension), and the per-step means the devlog tables show (`<key>_bytes_per_step`, `<key>_count_per_step`,
+    `<key>_time_s_per_step`)."""
+    steps = [r[key] for r in rows if key in r]
     if not steps:
         return {}
     totals: dict[str, dict[str, float]] = {}
     for step in steps:
         for kind, s in step.items():
             t = totals.setdefault(kind, {"bytes": 0, "count": 0, "time_s": 0.0})
-            for key in t:
-                t[key] += s[key]
+            for field in t:
+                t[field] += s[field]
     n = len(steps)
     return {
-        "comm": totals,
-        "comm_bytes_per_step": sum(t["bytes"] for t in totals.values()) / n,
-        "comm_count_per_step": sum(t["count"] for t in totals.values()) / n,
-        "comm_time_s_per_step": sum(t["time_s"] for t in totals.values()) / n,
+        key: totals,
+        f"{key}_bytes_per_step": sum(t["bytes"] for t in totals.values()) / n,
+        f"{key}_count_per_step": sum(t["count"] for t in totals.values()) / n,
+        f"{key}_time_s_per_step": sum(t["time_s"] for t in totals.values()) / n,
     }
 
 

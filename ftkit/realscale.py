@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib.util
 import json
 import sys
 import time
@@ -58,17 +57,6 @@ DDP_BUCKETS = "DDP gradient buckets (stand-in)"
 
 class RealScaleError(RuntimeError):
     """A configuration this command cannot run; the message says why."""
-
-
-def load_script(technique: str):
-    """experiments/<technique>-ft/train.py as a module, so its own functions (parser, sharding) run here."""
-    path = ROOT / "experiments" / SCRIPTS[technique] / "train.py"
-    if not path.exists():
-        raise RealScaleError(f"{path} not found: ftkit.realscale runs the experiment scripts of a repository checkout")
-    spec = importlib.util.spec_from_file_location(f"{SCRIPTS[technique].replace('-', '_')}_train", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -289,7 +277,7 @@ def measure(opts: argparse.Namespace) -> dict:
     from torch.utils.flop_counter import FlopCounterMode
 
     technique, world = opts.technique, opts.world
-    script = load_script(technique)
+    script = run.load_experiment(SCRIPTS[technique])
     args = script_args(script, opts)
     device = torch.device("cpu")
     dtype = run.torch_dtype(args.dtype)

@@ -377,6 +377,23 @@ def adamw_cosine(
     return optimizer, get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
 
 
+def load_experiment(name: str):
+    """experiments/<name>/train.py as a module, so that another script (or ftkit.realscale) runs its own functions:
+    one TP plan for tp-ft and fsdp-tp-ft, not a copy. Needs a repository checkout."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / name / "train.py"
+    if not path.exists():
+        raise RunError(f"{path} not found: the experiments are scripts of a repository checkout, not of the package")
+    module_name = f"{name.replace('-', '_')}_train"
+    if module_name not in sys.modules:  # loaded once per process, as an import would be
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[module_name] = module
+    return sys.modules[module_name]
+
+
 def check_tp_degree(config, tp: int) -> None:
     """Heads and MLP columns are dealt out whole: a tensor-parallel degree must divide the KV heads (and so the
     query heads, a multiple of them) and the intermediate size. Checked from the config, before any weight loads."""

@@ -125,6 +125,46 @@ def torchrun(
     return launch
 
 
+SRUN = """#!/usr/bin/env bash
+# srun, standing in for Slurm: the job step's command once per node of the job, here as processes of this machine.
+while [[ $1 == -* ]]; do shift; done
+for _ in $(seq "$SLURM_JOB_NUM_NODES"); do "$@" & done
+status=0
+for job in $(jobs -p); do wait "$job" || status=$?; done
+exit $status
+"""
+
+
+def slurm(bin_dir: Path, script: str, *flags: str, nodes: int = 2, per_node: int = 1) -> subprocess.CompletedProcess:
+    """assets/slurm/train.sbatch run as a `nodes`-node job: srun and scontrol stand-ins (in `bin_dir`) run its
+    torchrun command once per "node" on this machine, the agents meeting at the c10d rendezvous on the first node
+    (loopback), as separate machines would."""
+    import shutil
+    import socket
+
+    uv = shutil.which("uv")
+    assert uv, "the Slurm script runs `uv run`: install uv (pip install uv)"
+    (bin_dir / "srun").write_text(SRUN)
+    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho 127.0.0.1\n")  # `show hostnames`: the nodes
+    for tool in ("srun", "scontrol"):
+        (bin_dir / tool).chmod(0o755)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = str(s.getsockname()[1])
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{Path(uv).parent}:{os.environ['PATH']}",
+        "SLURM_JOB_NODELIST": f"node[1-{nodes}]",
+        "SLURM_JOB_NUM_NODES": str(nodes),
+        "SLURM_JOB_ID": port,
+        "PORT": port,
+        "GPUS_PER_NODE": str(per_node),
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+    command = ["bash", "assets/slurm/train.sbatch", script, *flags]
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
 def kill_rank_when(rank: int, appears: Path, timeout: float = 240):
     """A `meanwhile` for `torchrun`: once the path `appears` exists, SIGKILL the worker process of `rank` (found by
     the RANK variable torchrun sets in each worker's environment), as a crashed GPU or node would end it."""

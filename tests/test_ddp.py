@@ -5,15 +5,10 @@ inference on the adapter, and bad input refused on every rank."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
-import subprocess
-from pathlib import Path
 
 import parity
 import pytest
-from conftest import ROOT
 
 TRAIN = "experiments/ddp-ft/train.py"
 INFER = "experiments/ddp-ft/infer.py"
@@ -64,44 +59,13 @@ def no_accum(tmp_path_factory, data_dir):
     return launch(tmp_path_factory, "no-accum", *flags(data_dir, 4))
 
 
-SRUN = """#!/usr/bin/env bash
-# srun, standing in for Slurm: the job step's command once per node of the job, here as processes of this machine.
-while [[ $1 == -* ]]; do shift; done
-for _ in $(seq "$SLURM_JOB_NUM_NODES"); do "$@" & done
-status=0
-for job in $(jobs -p); do wait "$job" || status=$?; done
-exit $status
-"""
-
-
 def test_two_nodes_through_the_slurm_script_take_the_same_step(tmp_path_factory, data_dir):
     """assets/slurm/train.sbatch on a 2-node "job": srun and scontrol stand-ins run its torchrun command twice on
     this machine, two agents of one process each meeting at the c10d rendezvous on the "first node" (loopback), as
     two machines would. The script runs unchanged and takes the single-process reference's step; the run records
     its two nodes."""
-    uv = shutil.which("uv")
-    assert uv, "the Slurm script runs `uv run`: install uv (pip install uv)"
-    bin_dir = tmp_path_factory.mktemp("slurm-bin")
-    (bin_dir / "srun").write_text(SRUN)
-    (bin_dir / "scontrol").write_text("#!/usr/bin/env bash\necho 127.0.0.1\n")  # `show hostnames`: the nodes
-    for tool in ("srun", "scontrol"):
-        (bin_dir / tool).chmod(0o755)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
     out = tmp_path_factory.mktemp("ddp") / "two-nodes"
-    env = {
-        **os.environ,
-        "PATH": f"{bin_dir}:{Path(uv).parent}:{os.environ['PATH']}",
-        "SLURM_JOB_NODELIST": "node[1-2]",
-        "SLURM_JOB_NUM_NODES": "2",
-        "SLURM_JOB_ID": port,
-        "PORT": port,
-        "GPUS_PER_NODE": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-    command = ["bash", "assets/slurm/train.sbatch", TRAIN, *flags(data_dir, 8), "--output-dir", str(out)]
-    proc = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = parity.slurm(tmp_path_factory.mktemp("slurm-bin"), TRAIN, *flags(data_dir, 8), "--output-dir", str(out))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     ref = parity.reference(tmp_path_factory.mktemp("ref"), *flags(data_dir, 8))
     assert parity.compare_losses(out, ref) <= parity.LOSS_TOL

@@ -17,7 +17,7 @@ from conftest import ROOT
 
 # Spelled in two parts so that this file does not match itself.
 OUTSIDE = "../" + "shared"
-EXPERIMENTS = ("single-gpu-ft", "ddp-ft", "fsdp-ft", "tp-ft", "tp-sp-ft", "pp-ft")
+EXPERIMENTS = ("single-gpu-ft", "ddp-ft", "fsdp-ft", "tp-ft", "tp-sp-ft", "pp-ft", "fsdp-tp-ft")
 
 
 def repository_text_files() -> list[str]:
@@ -135,10 +135,10 @@ def test_readme_walkthrough_command_runs_as_written(walkthroughs, name):
 
 def test_readme_walkthroughs_take_the_same_steps(walkthroughs):
     """The walkthroughs' defaults are one configuration (global batch 8, micro-batch 2, fp32, seed 0, dropout 0), so
-    their steps are the same steps: DDP's QLoRA equals the single-process QLoRA, and the four bf16-LoRA techniques
+    their steps are the same steps: DDP's QLoRA equals the single-process QLoRA, and the five bf16-LoRA techniques
     (fp32 in --smoke) equal each other, per step, to the parity bar."""
     runs = {name: out for name, (proc, out) in walkthroughs.items() if proc.returncode == 0}
     assert set(runs) == set(EXPERIMENTS), "a walkthrough failed; see test_readme_walkthrough_command_runs_as_written"
     assert parity.compare_losses(runs["ddp-ft"], runs["single-gpu-ft"]) <= parity.LOSS_TOL
-    for name in ("tp-ft", "tp-sp-ft", "pp-ft"):
+    for name in ("tp-ft", "tp-sp-ft", "pp-ft", "fsdp-tp-ft"):
         assert parity.compare_losses(runs[name], runs["fsdp-ft"]) <= parity.LOSS_TOL, name
