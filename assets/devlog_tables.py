@@ -15,6 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- tables:begin -->", "<!-- tables:end -->"
+REFERENCE = "cpu-reference"  # the single-process run a folder's parity column compares with
 # Flags that every run sets on its own (paths) or that do not change what is measured.
 IGNORED_FLAGS = {
     "output_dir",
@@ -25,6 +26,7 @@ IGNORED_FLAGS = {
     "stop_after",
     "data_revision",
     "profile_steps",
+    "explicit_flags",
 }
 
 
@@ -56,7 +58,15 @@ def first_loss(run: Path) -> float | None:
     return json.loads(metrics.read_text().splitlines()[0])["loss"]
 
 
-def tables(summaries: dict[str, dict], firsts: dict[str, float | None]) -> str:
+def max_loss_diff(run: Path, reference: Path) -> float | None:
+    """The largest per-step |loss difference| between two runs' metrics.jsonl (the parity figure)."""
+    rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (run, reference)]
+    losses = [{r["step"]: r["loss"] for r in rs} for rs in rows]
+    common = losses[0].keys() & losses[1].keys()
+    return max(abs(losses[0][k] - losses[1][k]) for k in common) if common else None
+
+
+def tables(summaries: dict[str, dict], firsts: dict[str, float | None], parity: dict[str, float | None]) -> str:
     names = sorted(summaries)
     flags = sorted(
         {
@@ -80,6 +90,11 @@ def tables(summaries: dict[str, dict], firsts: dict[str, float | None]) -> str:
     head += ["MFU (median)", "peak memory (measured)", "memory model total"]
     if comm:
         head += ["comm bytes/step", "collectives/step"]
+    comm_tp = any("comm_tp_bytes_per_step" in s for s in summaries.values())
+    if comm_tp:  # a 2-D mesh: `comm` is the dp dimension's, `comm_tp` the tp dimension's (sampled steps)
+        head += ["TP comm bytes/step", "TP collectives/step"]
+    if parity:
+        head += [f"max \\|loss diff\\| vs `{REFERENCE}`"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for n in names:
         s = summaries[n]
@@ -99,6 +114,10 @@ def tables(summaries: dict[str, dict], firsts: dict[str, float | None]) -> str:
         ]
         if comm:
             row += [fmt(s.get("comm_bytes_per_step")), fmt(s.get("comm_count_per_step"))]
+        if comm_tp:
+            row += [fmt(s.get("comm_tp_bytes_per_step")), fmt(s.get("comm_tp_count_per_step"))]
+        if parity:
+            row += ["-" if n == REFERENCE else f"{parity[n]:.1e}" if parity[n] is not None else "-"]
         lines.append("| " + " | ".join(row) + " |")
     out = "\n".join(lines)
     if flags:
@@ -126,6 +145,8 @@ def main() -> None:
     dirs = sorted(d for d in runs.glob("*/") if (d / "summary.json").exists())
     summaries = {d.name: json.loads((d / "summary.json").read_text()) for d in dirs}
     firsts = {d.name: first_loss(d) for d in dirs}
+    # The parity figure, where the folder holds the single-process reference run with the same flags.
+    parity = {d.name: max_loss_diff(d, runs / REFERENCE) for d in dirs} if (runs / REFERENCE).is_dir() else {}
     if not summaries:
         sys.exit(f"no run summaries under {runs}")
     devlog = ROOT / "devlogs" / f"{args.experiment}.md"
@@ -134,7 +155,7 @@ def main() -> None:
         sys.exit(f"{devlog} has no {BEGIN} ... {END} section to fill")
     before, rest = text.split(BEGIN, 1)
     _, after = rest.split(END, 1)
-    devlog.write_text(f"{before}{BEGIN}\n{tables(summaries, firsts)}\n{END}{after}")
+    devlog.write_text(f"{before}{BEGIN}\n{tables(summaries, firsts, parity)}\n{END}{after}")
     print(f"{devlog}: {len(summaries)} runs")
 
 

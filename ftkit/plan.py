@@ -30,7 +30,8 @@ A model, not a measurement; every term is a formula in this repository or a stat
   - PP (pp-ft, 1F1B): the bubble, (p - 1) / m of the compute (Narayanan et al. 2021, arXiv 2104.04473, Sec. 2.2),
     and the point-to-point activations of the fill and the drain (2 (p - 1) transfers; the steady state's are
     taken as hidden);
-  - FSDP x TP on a 2-D mesh (no experiment yet: issue 12): TP's collectives inside a node, FSDP's across.
+  - FSDP x TP on a 2-D mesh (fsdp-tp-ft): tp-ft's collectives inside a node, FSDP's gathers of the TP slices
+    over the `dp` dimension, across nodes when there are several.
 Not modelled: kernel efficiency varying with shapes (one --mfu for all), the pipeline schedule's own overheads,
 congestion, padding (real AMI sequences are shorter than --max-length after truncation only when they are short).
 """
@@ -91,7 +92,7 @@ EXPERIMENTS = {
     "pp": "pp-ft",
     "tp": "tp-ft",
     "tp-sp": "tp-sp-ft",
-    "fsdp-tp": "fsdp x tp (no experiment yet)",
+    "fsdp-tp": "fsdp-tp-ft",
 }
 # At predicted speeds within NEAR of the fastest, the simpler technique is recommended: the list's order.
 SIMPLER_FIRST = list(EXPERIMENTS)

@@ -71,6 +71,7 @@ def test_each_mesh_dimension_sends_what_theory_says(mesh):
             assert row["comm"]["reduce_scatter"]["count"] == LAYERS  # the root has no trainable parameter
         else:
             assert row["comm"] == {}  # an FSDP group of one sends nothing
+            assert s["theory_all_gather_bytes"] == s["theory_reduce_scatter_bytes"] == 0
         if "comm_tp" in row:
             act = row["activation_bytes"]
             rank_r = act * LORA_RANK // HIDDEN

@@ -165,3 +165,17 @@ def test_the_tp_sp_posts_throughput_table_is_what_the_planner_predicts(capsys):
         predicted = [f"{r['tokens_per_s']:,.0f}" for r in [*columns, row(result, "tp-ft")]]
         assert predicted == shown, flags
     capsys.readouterr()
+
+
+def test_the_fsdp_tp_posts_layout_table_is_what_the_planner_predicts(capsys):
+    post = (Path(__file__).resolve().parents[1] / "blogs" / "fsdp-tp.md").read_text()
+    rows = re.findall(r"^\| `([\w-]+)(?: --quant (\w+))?`, ([^|]+?) \| ([\d.]+) GiB \| ([\d,]+) \|$", post, re.M)
+    assert len(rows) == 5
+    args = ["--model", "Qwen/Qwen3-32B", "--gpus", "16", "--nodes", "2", "--batch-size", "64", "--json"]
+    result = plan.main(args)
+    capsys.readouterr()
+    for experiment, quant, layout, gib, tokens in rows:
+        mesh = re.search(r"mesh (\d+) x (\d+)", layout)
+        match = {"mesh": {"dp": int(mesh[1]), "tp": int(mesh[2])}} if mesh else {}
+        r = row(result, experiment, quant=quant or "none", **match)
+        assert (f"{r['required_bytes'] / 2**30:.1f}", f"{r['tokens_per_s']:,.0f}") == (gib, tokens), layout

@@ -247,8 +247,8 @@ def main() -> None:
         # rank's slices: every unit all-gathered per micro-step forward, the layers again in backward; the LoRA
         # gradients reduce-scattered once, in fp32. The `tp` dimension's traffic is tp-ft's, on this TP group's
         # micro-batches (`activation_bytes`): see experiments/tp-ft/train.py.
-        theory_all_gather_bytes=accum * (all_bytes + layer_bytes),
-        theory_reduce_scatter_bytes=lora_slice * 4,
+        theory_all_gather_bytes=accum * (all_bytes + layer_bytes) if dp > 1 else 0,  # a group of one sends nothing
+        theory_reduce_scatter_bytes=lora_slice * 4 if dp > 1 else 0,
         **comm.summarize(log.rows),
         **comm.summarize(log.rows, key="comm_tp"),
         comm_note="`comm` (dp): FSDP2's all-gathers and reduce-scatters per optimizer step on rank 0's FSDP group, "
