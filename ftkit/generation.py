@@ -137,3 +137,31 @@ def report(examples, references, base_out, tuned_out, run_dir: Path, split: str)
     out.write_text(json.dumps(result, indent=2))
     print(f"written: {out}")
     return result
+
+
+def infer_main(description: str, experiment: str, finetuned, add_flags=None, check=None) -> None:
+    """Every experiment's infer.py: the base model rebuilt exactly as the training run built it (its config.json),
+    held-out spans summarized greedily by the base, then by `finetuned(base, cfg, args, device)` (the script's own
+    step: how its run's result is loaded), ROUGE for both, written to <run>/infer-<split>.json. `add_flags(parser)`
+    adds the script's flags; `check(args, cfg)` refuses bad input before the model loads. Bad input ends with one
+    line (exit 2), not a traceback."""
+    torch.manual_seed(0)
+    try:
+        p = infer_parser(description.splitlines()[0], experiment=experiment)
+        if add_flags:
+            add_flags(p)
+        args = p.parse_args()
+        args.num_examples = args.num_examples or (4 if args.smoke else 20)
+        args.max_new_tokens = args.max_new_tokens or (32 if args.smoke else 160)
+        device = run.device_for(args)
+        cfg = run_config(args)
+        if check:
+            check(args, cfg)
+        tokenizer, formatter, splits, base = load_for_inference(cfg, device)
+        examples = held_out(splits[args.split], args.num_examples)
+        base_out = summarize(base, tokenizer, formatter, examples, args.max_new_tokens, device)
+        model = finetuned(base, cfg, args, device)
+        tuned_out = summarize(model, tokenizer, formatter, examples, args.max_new_tokens, device)
+        report(examples, [ex.answer for ex in examples], base_out, tuned_out, Path(cfg["run_dir"]), args.split)
+    except (run.RunError, run.CheckpointError, data.DataError) as e:
+        run.fail(str(e))

@@ -12,35 +12,15 @@ finetuned model summarize the same examples greedily.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
 from peft import PeftModel
 
-from ftkit import data, generation, run
+from ftkit import generation
 
 
-def main() -> None:
-    p = generation.infer_parser(__doc__.splitlines()[0], experiment="fsdp-ft")
-    args = p.parse_args()
-    args.num_examples = args.num_examples or (4 if args.smoke else 20)
-    args.max_new_tokens = args.max_new_tokens or (32 if args.smoke else 160)
-    device = run.device_for(args)
-    cfg = generation.run_config(args)
-
-    tokenizer, formatter, splits, base = generation.load_for_inference(cfg, device)
-    examples = generation.held_out(splits[args.split], args.num_examples)
-    model = PeftModel.from_pretrained(base, cfg["adapter"]).eval()
-
-    with model.disable_adapter():
-        base_out = generation.summarize(model, tokenizer, formatter, examples, args.max_new_tokens, device)
-    tuned_out = generation.summarize(model, tokenizer, formatter, examples, args.max_new_tokens, device)
-    generation.report(examples, [ex.answer for ex in examples], base_out, tuned_out, Path(cfg["run_dir"]), args.split)
+def finetuned(base, cfg: dict, args, device):
+    """The run's adapter is a stock PEFT adapter: PEFT loads it onto the rebuilt base as it would any other."""
+    return PeftModel.from_pretrained(base, cfg["adapter"]).eval()
 
 
 if __name__ == "__main__":
-    torch.manual_seed(0)
-    try:
-        main()
-    except (run.RunError, run.CheckpointError, data.DataError) as e:
-        run.fail(str(e))
+    generation.infer_main(__doc__, "fsdp-ft", finetuned)
