@@ -83,6 +83,7 @@ def test_each_mesh_dimension_sends_what_theory_says(mesh):
             else:
                 assert row["comm_tp"] == {}
     assert [r["step"] for r in rows if "comm_tp" in r] == [1, 2, 4]  # the first step and the eval steps
+    assert s["theory_comm_tp_bytes_per_step"] == s.get("comm_tp_bytes_per_step", 0)
 
 
 @pytest.mark.parametrize(

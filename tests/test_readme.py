@@ -142,3 +142,16 @@ def test_readme_walkthroughs_take_the_same_steps(walkthroughs):
     assert parity.compare_losses(runs["ddp-ft"], runs["single-gpu-ft"]) <= parity.LOSS_TOL
     for name in ("tp-ft", "tp-sp-ft", "pp-ft", "fsdp-tp-ft"):
         assert parity.compare_losses(runs[name], runs["fsdp-ft"]) <= parity.LOSS_TOL, name
+
+
+def test_fsdp_tp_walkthrough_sends_what_its_summary_says_with_checkpointing(walkthroughs):
+    """The walkthrough runs fsdp-tp-ft with activation checkpointing (the --smoke default), which tests/test_fsdp_tp.py
+    turns off: the recompute repeats the TP forward all-reduces, and transformers' checkpointing makes the embedding
+    output require grad, so layer 0's q/k/v all-reduce their input gradients too. The summary's theory says so."""
+    proc, out = walkthroughs["fsdp-tp-ft"]
+    assert proc.returncode == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["config"]["grad_checkpointing"] and s["mesh"] == {"dp": 2, "tp": 2}
+    assert s["theory_comm_tp_bytes_per_step"] == s["comm_tp_bytes_per_step"] > 0
+    for row in parity.metrics(out):
+        assert row["comm"]["all_gather"]["bytes"] == s["theory_all_gather_bytes"]
