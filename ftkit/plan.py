@@ -12,7 +12,8 @@ A model, not a measurement; every term is a formula in this repository or a stat
   (devlogs/runs/realscale/).
 - Compute: the MFU convention's FLOPs (`metrics.step_flops`, every sequence --max-length tokens long) plus the
   forward that activation checkpointing recomputes, at --mfu of the GPU's dense bf16 peak (`ftkit/hardware.py`),
-  split evenly over the GPUs the experiment uses.
+  split evenly over the GPUs the experiment uses. 0.4 is an assumption (well-tuned dense training: PaLM reports
+  46.2%); single-gpu-ft measured 4.8% on an H100 (devlogs/single-gpu-ft.md), so absolute tokens/s are optimistic.
 - NF4 (QLoRA): every pass over a layer (forward, recomputed forward, backward) dequantizes its weights, reading
   the 4-bit weights and writing bf16 ones through the GPU's memory at its datasheet bandwidth.
 - Communication: the alpha-beta model of a ring (bytes from `comm.ring_wire_bytes`, at --link-efficiency of the

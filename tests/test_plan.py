@@ -179,3 +179,23 @@ def test_the_fsdp_tp_posts_layout_table_is_what_the_planner_predicts(capsys):
         match = {"mesh": {"dp": int(mesh[1]), "tp": int(mesh[2])}} if mesh else {}
         r = row(result, experiment, quant=quant or "none", **match)
         assert (f"{r['required_bytes'] / 2**30:.1f}", f"{r['tokens_per_s']:,.0f}") == (gib, tokens), layout
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--gpus", "2", "--gpu", "rtx4090", "--link", "pcie4"],
+        ["--gpus", "1", "--gpu", "h100-sxm"],
+        ["--model", "Qwen/Qwen3-32B", "--gpus", "16", "--nodes", "2", "--batch-size", "64"],
+    ],
+)
+def test_the_pinned_recommendations_hold_at_the_mfu_measured_on_an_h100(argv, capsys):
+    """devlogs/single-gpu-ft.md measured 4.8% MFU where the planner assumes 40%: slower compute hides more traffic,
+    and the recommendation must not depend on the optimistic figure."""
+    assumed, measured = (plan.main([*argv, "--json", *mfu])["recommendation"] for mfu in ([], ["--mfu", "0.048"]))
+    capsys.readouterr()
+    assert (measured["experiment"], measured["mesh"], measured["quant"]) == (
+        assumed["experiment"],
+        assumed["mesh"],
+        assumed["quant"],
+    )
