@@ -199,3 +199,16 @@ def test_the_pinned_recommendations_hold_at_the_mfu_measured_on_an_h100(argv, ca
         assumed["mesh"],
         assumed["quant"],
     )
+
+
+def test_the_readmes_memory_requirement_is_the_planners(capsys):
+    result = plan.main(["--gpus", "1", "--json"])
+    capsys.readouterr()
+    nf4, bf16 = row(result, "single-gpu-ft", quant="nf4"), row(result, "single-gpu-ft", quant="none")
+    gib = [f"{r[k] / 2**30:.1f}" for k in ("memory_bytes", "required_bytes") for r in (nf4, bf16)]
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    expected = (
+        f"the memory model predicts {gib[0]} GiB for QLoRA on Qwen3-4B and {gib[1]} GiB for bf16 LoRA, {gib[2]} and "
+        f"{gib[3]} GiB with the planner's margin"
+    )
+    assert expected in readme
