@@ -266,8 +266,9 @@ def main() -> None:
         syncs_per_step=accum if args.sync_every_micro_step else 1,
         **comm.summarize(log.rows),
         comm_note="per optimizer step, DDP's gradient all-reduces as the comm hook saw them (ftkit/comm.py): "
-        "bytes of the buckets, buckets issued, and time from issue to completion summed over buckets "
-        "(they overlap backward and each other); the metrics' own loss/eval all-reduces are not counted",
+        "bytes of the buckets, buckets issued, and the time at least one of them was in flight (the union of their "
+        "issue-to-completion spans: they overlap backward and each other); the metrics' own loss/eval all-reduces "
+        "are not counted",
     )
     run.finish(args, run_dir, summary, finished)
 
