@@ -155,3 +155,26 @@ def test_fsdp_tp_walkthrough_sends_what_its_summary_says_with_checkpointing(walk
     assert s["theory_comm_tp_bytes_per_step"] == s["comm_tp_bytes_per_step"] > 0
     for row in parity.metrics(out):
         assert row["comm"]["all_gather"]["bytes"] == s["theory_all_gather_bytes"]
+
+
+def test_the_reference_configuration_is_the_scripts_defaults():
+    """The README's reference configuration table, against the defaults the scripts resolve (ftkit/run.py REAL and
+    the common parser), so the configuration every post refers to cannot drift from the code."""
+    from ftkit import run
+
+    text = (ROOT / "README.md").read_text().split("## The reference configuration", 1)[1].split("\n## ", 1)[0]
+    table = dict(re.findall(r"^\| ([^|]+?) \| ([^|]+?) \|$", text, re.M))
+    real, parser = run.REAL, run.common_parser("x", experiment="x")
+    defaults = {a.dest: a.default for a in parser._actions}
+    assert table["model"] == f"`{real['model']}`"
+    assert table["sequence length (`--max-length`)"] == f"{real['max_length']} tokens"
+    assert table["global batch (`--batch-size`)"].startswith(f"{real['batch_size']} sequences")
+    assert table["micro-batch (`--micro-batch-size`)"].startswith(f"{real['micro_batch_size']} sequences")
+    lora = f"rank {defaults['lora_rank']}, alpha {defaults['lora_alpha']:g}, dropout {real['lora_dropout']}"
+    assert table["LoRA"].startswith(lora)
+    assert table["precision"].startswith(f"{real['dtype']} compute")
+    assert table["activation checkpointing"].startswith("on") and defaults["grad_checkpointing"] is True
+    lr, warmup = re.fullmatch(r"AdamW, lr ([\d.e-]+), (\d+) warmup steps.*", table["optimizer"]).groups()
+    assert (float(lr), int(warmup)) == (real["lr"], real["warmup_steps"])
+    assert f"clipped at {defaults['max_grad_norm']}, {real['max_steps']} steps" in table["optimizer"]
+    assert table["seed"] == str(defaults["seed"])
