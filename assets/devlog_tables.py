@@ -25,6 +25,7 @@ IGNORED_FLAGS = {
     "stop_after",
     "data_revision",
     "profile_steps",
+    "explicit_flags",  # which flags a command line gave (for --resume), not a setting
 }
 
 
