@@ -14,8 +14,8 @@ of a micro-batch is its sum of token losses divided by the target tokens of the 
 micro-batch losses add up to the single-GPU loss and their gradients to its gradient. While the first micro-batch
 travels down the pipe the later stages wait, and while the last one travels back the earlier stages wait: the
 pipeline bubble, measured per rank in every step's metrics. The zero-bubble schedules (Qi et al. 2023, arXiv
-2401.10241) split a backward B into I, the gradient of the stage's input, which the stage before waits for, and W,
-the gradient of its weights, which nothing waits for, and run the W later, in the gaps the ramp leaves.
+2401.10241) split each backward into the input gradient, which the stage before waits for, and the weight
+gradient, which nothing waits for and runs later, in the gaps.
 """
 
 from __future__ import annotations
@@ -50,10 +50,9 @@ def parse_args():
         choices=list(SCHEDULES),
         default="1f1b",
         help="gpipe: all forwards, then all backwards; 1f1b: one forward, one backward in the steady state (fewer "
-        "activations in flight); interleaved-1f1b: two stages per rank (r and r + ranks), a smaller bubble for more "
-        "sends; zero bubble, each backward split into input and weight gradients, the latter run in the gaps: "
-        "interleaved-zb (the interleaved stages), zbv and dualpipev (a V: stages r and 2 ranks - 1 - r); with "
-        "activation checkpointing, each weight gradient recomputes its layers' forward (see blogs/pp.md)",
+        "activations in flight); interleaved-1f1b: stages r and r + ranks on rank r, a smaller bubble, more sends; "
+        "zero bubble, each backward split into input and weight gradients, the latter run in the gaps (under "
+        "checkpointing, each recomputes its layers): interleaved-zb; zbv, dualpipev on a V (stages r, 2 ranks - 1 - r)",
     )
     g.add_argument(
         "--microbatches",
@@ -289,9 +288,8 @@ def main() -> None:
         args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, pipeline=pipeline
     )
 
-    # torch's schedule.eval() fails on the V schedules: it still runs their backward actions, and handing a gradient
-    # between the two stages of one rank asserts there is one ("can't steal_bwd_input if this stage doesn't have
-    # backward"). They evaluate with whole steps instead, whose gradients are dropped.
+    # torch's eval() fails on the V schedules: it still runs their backward actions, and a rank's two stages then
+    # "can't steal_bwd_input" from each other. They evaluate with whole steps instead, their gradients dropped.
     v_shaped = args.schedule in ("zbv", "dualpipev")
 
     def eval_loss() -> float:
