@@ -26,7 +26,7 @@ IGNORED_FLAGS = {
     "stop_after",
     "data_revision",
     "profile_steps",
-    "explicit_flags",
+    "explicit_flags",  # which flags a command line gave (for --resume), not a setting
 }
 
 

@@ -35,8 +35,17 @@ for m in 2 8; do
     measure "cpu-1f1b-m$m" --schedule 1f1b --microbatches "$m"
     measure "cpu-interleaved-m$m" --schedule interleaved-1f1b --microbatches "$m"
 done
+# The zero-bubble schedules on the same 2 ranks x 2 stages (DualPipeV needs m >= its 4 stages); ZBV and interleaved
+# 1F1B also without activation checkpointing, which makes every weight-gradient action recompute its layers.
+for s in interleaved-zb zbv dualpipev; do
+    measure "cpu-$s-m8" --schedule "$s" --microbatches 8
+done
+measure cpu-zbv-m8-no-ckpt --schedule zbv --microbatches 8 --no-grad-checkpointing
+measure cpu-interleaved-m8-no-ckpt --schedule interleaved-1f1b --microbatches 8 --no-grad-checkpointing
 $PY assets/devlog_tables.py pp-ft
 R=devlogs/runs/pp-ft
-$PY assets/pp_timeline.py "$R/cpu-gpipe-m8" "$R/cpu-1f1b-m8" "$R/cpu-interleaved-m8" --out assets/pp_timeline.png \
+$PY assets/pp_timeline.py "$R/cpu-gpipe-m8" "$R/cpu-1f1b-m8" "$R/cpu-interleaved-m8" "$R/cpu-zbv-m8-no-ckpt" \
+    "$R/cpu-zbv-m8" --out assets/pp_timeline.png \
     --devlog devlogs/pp-ft.md --table "$R"/cpu-gpipe-m2 "$R"/cpu-gpipe-m8 "$R"/cpu-1f1b-m2 "$R"/cpu-1f1b-m8 \
-    "$R"/cpu-interleaved-m2 "$R"/cpu-interleaved-m8
+    "$R"/cpu-interleaved-m2 "$R"/cpu-interleaved-m8 "$R"/cpu-interleaved-zb-m8 "$R"/cpu-zbv-m8 "$R"/cpu-dualpipev-m8 \
+    "$R"/cpu-interleaved-m8-no-ckpt "$R"/cpu-zbv-m8-no-ckpt

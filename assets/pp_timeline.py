@@ -1,8 +1,9 @@
 """The pipeline schedule as it ran: one row per rank, a box per forward (F), loss (L, the last stage's lm_head and
-cross-entropy) and backward (B) of each micro-batch,
-from a run's timeline.json (the last training step's actions, timed by experiments/pp-ft/train.py); the white
-gaps are the bubble. With --devlog, also the measured-vs-theory bubble table of the --table runs, written between
-the `<!-- bubble:begin -->` and `<!-- bubble:end -->` markers of the devlog.
+cross-entropy) and backward of each micro-batch: whole (B), or split by the zero-bubble schedules into the input
+gradient (I) and the weight gradient (W), from a run's timeline.json (the last training step's actions, timed by
+experiments/pp-ft/train.py); the white gaps are the bubble. With --devlog, also the measured-vs-theory bubble
+table of the --table runs, written between the `<!-- bubble:begin -->` and `<!-- bubble:end -->` markers of the
+devlog.
 
     uv run python assets/pp_timeline.py RUN_DIR... --out assets/pp_timeline.png \
         [--devlog devlogs/pp-ft.md --table RUN_DIR...]
@@ -19,26 +20,36 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-COLORS = {"F": "#4C72B0", "L": "#55A868", "B": "#DD8452"}  # forward, loss (last stage), backward
+# forward, loss (last stage), backward; its input-gradient and weight-gradient halves
+COLORS = {"F": "#4C72B0", "L": "#55A868", "B": "#DD8452", "I": "#C44E52", "W": "#8172B3"}
 
 
 def bubble_table(runs: list[Path]) -> str:
     lines = [
-        "| run | schedule | ranks x stages/rank | micro-batches m | bubble theory | bubble measured (mean) "
-        "| per rank | busy s/step (per rank) | idle s/step (per rank) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| run | schedule | ranks x stages/rank | micro-batches m | bubble theory | theory, measured F/I/W times "
+        "| bubble measured (mean) | per rank | busy s/step (per rank) | idle s/step (per rank) "
+        "| ms per action, last step (mean) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run_dir in runs:
         s = json.loads((run_dir / "summary.json").read_text())
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
         pipe = s["pipeline"]
+        with_costs = s.get("bubble_theory_measured_costs")  # multi-stage schedules only
+        with_costs = "-" if with_costs is None else f"{with_costs:.3f}"
+        spans: dict[str, list[float]] = {}
+        for rank in json.loads((run_dir / "timeline.json").read_text())["events"]:
+            for _, kind, _, t0, t1 in rank:
+                spans.setdefault(kind, []).append(t1 - t0)
+        per_action = " / ".join(f"{k} {sum(spans[k]) / len(spans[k]) * 1e3:.2f}" for k in "FLBIW" if k in spans)
         busy = [sum(r["busy_s"][k] for r in rows) / len(rows) for k in range(pipe["ranks"])]
         idle = [sum(r["idle_s"][k] for r in rows) / len(rows) for k in range(pipe["ranks"])]
         lines.append(
             f"| `{run_dir.name}` | {pipe['schedule']} | {pipe['ranks']} x {pipe['stages_per_rank']} "
-            f"| {pipe['microbatches']} | {s['bubble_theory']:.3f} | {s['bubble']:.3f} "
+            f"| {pipe['microbatches']} | {s['bubble_theory']:.3f} | {with_costs} "
+            f"| {s['bubble']:.3f} "
             f"| {' / '.join(f'{b:.3f}' for b in s['bubble_per_rank'])} | {' / '.join(f'{b:.3f}' for b in busy)} "
-            f"| {' / '.join(f'{b:.3f}' for b in idle)} |"
+            f"| {' / '.join(f'{b:.3f}' for b in idle)} | {per_action} |"
         )
     return "\n".join(lines)
 
@@ -95,14 +106,15 @@ def main() -> None:
         ax.set_title(
             f"{pipe['schedule']}: {pipe['ranks']} ranks x {pipe['stages_per_rank']} stage(s), m={pipe['microbatches']}"
             f" - bubble measured {summary['bubble']:.2f} (mean of steps and ranks),"
-            f" theory {summary['bubble_theory']:.2f}",
+            f" theory {summary['bubble_theory']:.2f}"
+            f"{'' if summary['config'].get('grad_checkpointing', True) else ', no activation checkpointing'}",
             fontsize=9,
         )
         ax.set_xlabel("ms since the step's first action (last step of the run)")
     hw = json.loads((args.runs[0] / "summary.json").read_text())["hardware"]
     fig.suptitle(
-        f"Pipeline schedules as measured: tiny Qwen3 on CPU ({hw['cpu_count']} cores, gloo); F forward, "
-        "L loss, B backward (darker: a rank's first stage)",
+        f"Pipeline schedules as measured: tiny Qwen3 on CPU ({hw['cpu_count']} cores, gloo); F forward, L loss, "
+        "B backward = I input + W weight gradient (darker: a rank's first stage)",
         fontsize=10,
     )
     fig.tight_layout()

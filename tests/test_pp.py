@@ -1,7 +1,8 @@
-"""experiments/pp-ft on 2 CPU processes (torchrun, gloo): GPipe, 1F1B and interleaved 1F1B compute the same training
-step as the single-process LoRA reference; the activations sent between stages are what theory says; the bubble is
-recorded and shrinks with more micro-batches; the stage-local adapters merge into the full model's adapter, which
-gives the pipeline's eval loss on one process; resume; a stage count that does not divide the layers is refused."""
+"""experiments/pp-ft on 2 CPU processes (torchrun, gloo): GPipe, 1F1B, interleaved 1F1B and the zero-bubble schedules
+(interleaved ZB, ZBV, DualPipeV) compute the same training step as the single-process LoRA reference; the
+activations sent between stages are what theory says; the bubble is recorded, shrinks with more micro-batches and is
+reported against each schedule's theory; the stage-local adapters merge into the full model's adapter, which gives
+the pipeline's eval loss on one process; resume; a stage count that does not divide the layers is refused."""
 
 from __future__ import annotations
 
@@ -74,13 +75,39 @@ def interleaved(tmp_path_factory, data_dir):
     return launch(tmp_path_factory, "interleaved", *flags(data_dir, 2, "--schedule", "interleaved-1f1b"))
 
 
+# The zero-bubble schedules, 2 ranks x 2 stages, m = 4: interleaved ZB on the interleaved layout, ZBV and DualPipeV
+# on the V (rank 0: stages 0 and 3, rank 1: stages 1 and 2). Without activation checkpointing, under which every
+# weight-gradient action recomputes its layer (test_the_weight_gradient_recomputes_checkpointed_layers): about a fifth
+# less CPU per launch. The devlog's runs check them with it.
+def zero_bubble(tmp_path_factory, data_dir, schedule: str) -> parity.Launch:
+    return launch(tmp_path_factory, schedule, *flags(data_dir, 2, "--schedule", schedule, "--no-grad-checkpointing"))
+
+
+@pytest.fixture(scope="module")
+def interleaved_zb(tmp_path_factory, data_dir):
+    return zero_bubble(tmp_path_factory, data_dir, "interleaved-zb")
+
+
+@pytest.fixture(scope="module")
+def zbv(tmp_path_factory, data_dir):
+    return zero_bubble(tmp_path_factory, data_dir, "zbv")
+
+
+@pytest.fixture(scope="module")
+def dualpipev(tmp_path_factory, data_dir):
+    return zero_bubble(tmp_path_factory, data_dir, "dualpipev")
+
+
+ZERO_BUBBLE = ["interleaved_zb", "zbv", "dualpipev"]
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data_dir):
     # Micro-batches are accumulation here: the reference's micro-batch size changes summation order only.
     return parity.reference(tmp_path_factory.mktemp("ref"), *flags(data_dir, 2), quant="none")
 
 
-@pytest.mark.parametrize("run_name", ["gpipe", "one_f_one_b", "interleaved"])
+@pytest.mark.parametrize("run_name", ["gpipe", "one_f_one_b", "interleaved", *ZERO_BUBBLE])
 def test_same_step_as_the_single_process_reference(request, reference, run_name):
     run = request.getfixturevalue(run_name)
     loss = parity.compare_losses(run.run_dir, reference)
@@ -92,9 +119,19 @@ def test_same_step_as_the_single_process_reference(request, reference, run_name)
     assert [r["step"] for r in parity.metrics(run.run_dir)] == list(range(1, STEPS + 1))
 
 
-@pytest.mark.parametrize("run_name, stages, micro", [("gpipe", 2, 4), ("one_f_one_b", 2, 1), ("interleaved", 4, 2)])
-def test_activation_bytes_between_stages_match_theory(request, run_name, stages, micro):
-    """Each micro-batch crosses each of the stages - 1 boundaries twice: its activations (micro x seq x hidden x
+@pytest.mark.parametrize(
+    "run_name, stages, micro, crossings",
+    [
+        ("gpipe", 2, 4, 1),
+        ("one_f_one_b", 2, 1, 1),
+        ("interleaved", 4, 2, 3),
+        ("interleaved_zb", 4, 2, 3),
+        ("zbv", 4, 2, 2),  # on the V, stages 1 and 2 are both rank 1's: that boundary sends nothing
+        ("dualpipev", 4, 2, 2),
+    ],
+)
+def test_activation_bytes_between_stages_match_theory(request, run_name, stages, micro, crossings):
+    """Each micro-batch crosses each stage boundary between two ranks twice: its activations (micro x seq x hidden x
     4 bytes in fp32) forward, their gradient (the same size) backward."""
     run = request.getfixturevalue(run_name)
     summary = json.loads((run.run_dir / "summary.json").read_text())
@@ -104,9 +141,9 @@ def test_activation_bytes_between_stages_match_theory(request, run_name, stages,
     assert summary["activation_bytes_per_microbatch"] == per_micro
     assert summary["pipeline"]["stages"] == stages and summary["pipeline"]["microbatches"] == m
     for row in parity.metrics(run.run_dir):
-        assert row["comm"]["send"]["count"] == 2 * (stages - 1) * m
-        assert row["comm"]["send"]["bytes"] == 2 * (stages - 1) * m * per_micro
-    assert summary["comm_bytes_per_step"] == 2 * (stages - 1) * m * per_micro
+        assert row["comm"]["send"]["count"] == 2 * crossings * m
+        assert row["comm"]["send"]["bytes"] == 2 * crossings * m * per_micro
+    assert summary["comm_bytes_per_step"] == 2 * crossings * m * per_micro
 
 
 def test_bubble_is_recorded_and_shrinks_with_more_microbatches(gpipe, one_f_one_b, interleaved):
@@ -123,6 +160,22 @@ def test_bubble_is_recorded_and_shrinks_with_more_microbatches(gpipe, one_f_one_
             assert busy > 0 and idle >= 0 and busy + idle == pytest.approx(total)
     print(f"bubble measured: gpipe m=2 {few['bubble']:.3f}, 1f1b m=8 {many['bubble']:.3f}")
     assert many["bubble"] < few["bubble"]
+
+
+@pytest.mark.parametrize("run_name", ZERO_BUBBLE)
+def test_zero_bubble_theory(request, interleaved, run_name):
+    """The zero-bubble schedules' own action order, with equal F, I and W times, idles (p-1)/(3vm+p-1) of the step:
+    ZB-H1's (p-1)(T_F+T_B-T_W) per stage (Qi et al. 2023, Table 2), 1/25 at p=2, v=2, m=4, where interleaved 1F1B
+    on the same stages idles 1/9. The same order with the run's own F, I, W times is reported next to it."""
+    zb = json.loads((request.getfixturevalue(run_name).run_dir / "summary.json").read_text())
+    inter = json.loads((interleaved.run_dir / "summary.json").read_text())
+    assert zb["bubble_theory"] == pytest.approx(1 / 25)
+    for s in (zb, inter):
+        assert 0 < s["bubble"] < 1 and 0 <= s["bubble_theory_measured_costs"] < 1
+    print(
+        f"{run_name}: bubble measured {zb['bubble']:.3f}, theory {zb['bubble_theory']:.3f}, with measured costs "
+        f"{zb['bubble_theory_measured_costs']:.3f} (interleaved 1f1b {inter['bubble_theory_measured_costs']:.3f})"
+    )
 
 
 def test_resume_with_dropout_continues_the_same_run(tmp_path, data_dir):
@@ -142,17 +195,72 @@ def test_resume_with_dropout_continues_the_same_run(tmp_path, data_dir):
     assert parity.compare_adapters(out / "adapter", whole.run_dir / "adapter") <= 1e-6
 
 
-def test_timeline_has_every_action(interleaved):
+@pytest.mark.parametrize("run_name, layout", [("interleaved", ((0, 2), (1, 3))), ("zbv", ((0, 3), (1, 2)))])
+def test_timeline_has_every_action(request, run_name, layout):
     """The last step's forward and backward of every micro-batch on every stage, and the loss of every micro-batch
-    on the last stage (3, on rank 1), per rank (for the figure)."""
-    timeline = json.loads((interleaved.run_dir / "timeline.json").read_text())
+    on the last stage (3), per rank (for the figure). ZBV splits each backward into its input gradient (I) and
+    its weight gradient (W), both timed as compute."""
+    timeline = json.loads((request.getfixturevalue(run_name).run_dir / "timeline.json").read_text())
     assert timeline["ranks"] == 2 and timeline["stages"] == 4
-    for rank, events in enumerate(timeline["events"]):
+    backward = "B" if run_name == "interleaved" else "IW"
+    for stages, events in zip(layout, timeline["events"]):
         actions = sorted((stage, kind, mb) for stage, kind, mb, _, _ in events)
-        expected = [(s, k, mb) for s in (rank, rank + 2) for k in "FB" for mb in range(4)]
-        expected += [(3, "L", mb) for mb in range(4)] if rank == 1 else []
+        expected = [(s, k, mb) for s in stages for k in "F" + backward for mb in range(4)]
+        expected += [(3, "L", mb) for mb in range(4)] if 3 in stages else []
         assert actions == sorted(expected)
         assert all(0 <= start <= end for *_, start, end in events)
+
+
+def test_schedule_bubble_of_hand_written_orders():
+    """GPipe on 2 ranks with 2 micro-batches, written out as actions: idle (p-1)/(m+p-1) = 1/3 of the step. With each
+    backward split into I and W, the first stage's I waits only for the next stage's I, not for its W: 1/4."""
+    from torch.distributed.pipelining import schedules
+
+    from ftkit.metrics import schedule_bubble
+
+    def order(backward: str) -> dict[int, list]:
+        kinds = [schedules.F] + [{"B": schedules.B, "I": schedules.I, "W": schedules.W}[k] for k in backward]
+        return {r: [schedules._Action(r, kind, mb) for kind in kinds for mb in (0, 1)] for r in (0, 1)}
+
+    assert schedule_bubble(order("B")) == pytest.approx(1 / 3)
+    assert schedule_bubble(order("B"), {(s, k): c for s in (0, 1) for k, c in zip("FIW", (1, 2, 0))}) == (
+        pytest.approx(1 / 3)
+    )
+    assert schedule_bubble(order("IW")) == pytest.approx(1 / 4)
+
+
+def test_the_weight_gradient_recomputes_checkpointed_layers():
+    """What the zero-bubble schedules' split costs under activation checkpointing (blogs/pp.md): torch's input-
+    gradient pass (I) recomputes each checkpointed layer's forward once, and its weight-gradient pass (W) once per
+    group of trainable weights in the layer (here two LoRA-like groups per layer); without checkpointing, never."""
+    from torch import nn
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+    from torch.utils.checkpoint import checkpoint
+
+    calls = [0]
+
+    class Layer(nn.Module):  # a frozen linear plus a trainable low-rank branch, as LoRA adds
+        def __init__(self):
+            super().__init__()
+            self.base, self.a, self.b = nn.Linear(32, 32), nn.Linear(32, 4, bias=False), nn.Linear(4, 32, bias=False)
+            self.base.requires_grad_(False)
+
+        def forward(self, x):
+            calls[0] += 1
+            return torch.relu(self.base(x) + self.b(self.a(x)))
+
+    for checkpointed, recomputed in ((False, (0, 0)), (True, (2, 4))):
+        layers = nn.ModuleList(Layer() for _ in range(2))
+        x = torch.randn(8, 32, requires_grad=True)
+        y = x
+        for layer in layers:
+            y = checkpoint(layer, y, use_reentrant=False) if checkpointed else layer(y)
+        calls[0] = 0
+        _, groups = stage_backward_input((y,), [torch.ones_like(y)], [x], layers.parameters())
+        in_i = calls[0]
+        stage_backward_weight(layers.parameters(), groups)
+        assert (in_i, calls[0] - in_i) == recomputed
+        assert all(p.grad is not None for p in layers.parameters() if p.requires_grad)
 
 
 def test_layer_indices_are_remapped_to_the_full_model():
@@ -191,25 +299,33 @@ def test_infer_on_the_merged_adapter(gpipe, tmp_path):
 
 
 def test_stage_layout():
-    layout = train_module().stage_layout
+    module = train_module()
+    layout, stages_of = module.stage_layout, module.rank_stages
     assert layout(4, 2, "1f1b") == (2, 2)
     assert layout(4, 2, "interleaved-1f1b") == (4, 1)
     assert layout(36, 4, "gpipe") == (4, 9)  # Qwen3-4B on 4 GPUs
+    assert layout(36, 2, "zbv") == layout(36, 2, "dualpipev") == layout(36, 2, "interleaved-zb") == (4, 9)
     with pytest.raises(Exception, match="do not divide"):
         layout(36, 8, "interleaved-1f1b")  # 16 stages
+    with pytest.raises(Exception, match="do not divide"):
+        layout(36, 4, "zbv")  # 8 stages
+    # Every stage on exactly one rank: a loop for interleaving, a V for ZBV and DualPipeV.
+    assert [stages_of(r, 4, "interleaved-zb") for r in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [stages_of(r, 4, "zbv") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [stages_of(r, 3, "1f1b") for r in range(3)] == [[0], [1], [2]]
 
 
-@pytest.mark.parametrize("world, schedule", [(3, "1f1b"), (4, "interleaved-1f1b")])
+@pytest.mark.parametrize("world, schedule", [(3, "1f1b"), (4, "interleaved-1f1b"), (4, "zbv")])
 def test_stages_that_do_not_divide_the_layers_are_refused(world, schedule, tmp_path, data_dir, monkeypatch):
-    """3 stages on 3 ranks, or 8 on 4 ranks interleaved, for 4 layers: refused before the process group or the
-    model."""
+    """3 stages on 3 ranks, or 8 on 4 ranks interleaved or on a V, for 4 layers: refused before the process group
+    or the model."""
     argv = flags(data_dir, 2, "--schedule", schedule, "--output-dir", str(tmp_path / "o"))
     message = parity.refused(monkeypatch, TRAIN, *argv, world=world)
     assert f"{world if schedule == '1f1b' else 2 * world} pipeline stages" in message and "do not divide" in message
     assert not (tmp_path / "o").exists()
 
 
-@pytest.mark.parametrize("run_name", ["gpipe", "one_f_one_b", "interleaved"])
+@pytest.mark.parametrize("run_name", ["gpipe", "one_f_one_b", "interleaved", *ZERO_BUBBLE])
 def test_no_host_sync_per_micro_batch(request, run_name):
     """1F1B runs 8 micro-batches a step: a sync per micro-batch (a loss .item() each) would count 8 or more."""
     counts = parity.host_syncs(request.getfixturevalue(run_name).run_dir, save_every=2)

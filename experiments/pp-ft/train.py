@@ -5,7 +5,7 @@ stage, the final norm and lm_head on the last), and the global batch flows throu
 activations forward and their gradients backward, rank to rank:
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --schedule 1f1b             # Qwen3-4B, 2 GPUs
     uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --smoke                     # CPU
-    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --smoke --schedule interleaved-1f1b
+    uv run torchrun --nproc_per_node=2 experiments/pp-ft/train.py --smoke --schedule zbv
 
 One optimizer step = one global batch of --batch-size sequences, cut into m = --batch-size / --micro-batch-size
 pipeline micro-batches (or --microbatches m). Pipelining does not split the batch across ranks: every rank reads
@@ -13,7 +13,9 @@ the same global batch, the first stage feeds its micro-batches in, the last stag
 of a micro-batch is its sum of token losses divided by the target tokens of the *whole* global batch, so the
 micro-batch losses add up to the single-GPU loss and their gradients to its gradient. While the first micro-batch
 travels down the pipe the later stages wait, and while the last one travels back the earlier stages wait: the
-pipeline bubble, measured per rank in every step's metrics.
+pipeline bubble, measured per rank in every step's metrics. The zero-bubble schedules (Qi et al. 2023, arXiv
+2401.10241) split each backward into the input gradient, which the stage before waits for, and the weight
+gradient, which nothing waits for and runs later, in the gaps.
 """
 
 from __future__ import annotations
@@ -25,12 +27,19 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining import PipelineStage, schedules
 
 from ftkit import comm, data, metrics, models, run
 from ftkit.profiling import StepProfiler
 
-SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved-1f1b": ScheduleInterleaved1F1B}
+SCHEDULES = {
+    "gpipe": schedules.ScheduleGPipe,
+    "1f1b": schedules.Schedule1F1B,
+    "interleaved-1f1b": schedules.ScheduleInterleaved1F1B,
+    "interleaved-zb": schedules.ScheduleInterleavedZeroBubble,
+    "zbv": schedules.ScheduleZBVZeroBubble,
+    "dualpipev": schedules.ScheduleDualPipeV,
+}
 
 
 def parse_args():
@@ -41,8 +50,9 @@ def parse_args():
         choices=list(SCHEDULES),
         default="1f1b",
         help="gpipe: all forwards, then all backwards; 1f1b: one forward, one backward in the steady state (fewer "
-        "activations in flight); interleaved-1f1b: two stages per rank (rank r holds stages r and r + ranks), "
-        "a smaller bubble for twice the point-to-point traffic",
+        "activations in flight); interleaved-1f1b: stages r and r + ranks on rank r, a smaller bubble, more sends; "
+        "zero bubble, each backward split into input and weight gradients, the latter run in the gaps (under "
+        "checkpointing, each recomputes its layers): interleaved-zb; zbv, dualpipev on a V (stages r, 2 ranks - 1 - r)",
     )
     g.add_argument(
         "--microbatches",
@@ -65,11 +75,11 @@ def parse_args():
 
 
 def stage_layout(num_layers: int, world: int, schedule: str) -> tuple[int, int]:
-    """(stages, layers per stage). Interleaved 1F1B gives every rank two stages (v = 2 model chunks, Narayanan et
-    al. 2021, arXiv 2104.04473, Sec. 2.2). Stages must split the layers evenly: an uneven split leaves the
-    bigger stages as the bottleneck of every step and the smaller ones idle, a bubble of its own, so it is
-    refused rather than warned about."""
-    stages = world * (2 if schedule == "interleaved-1f1b" else 1)
+    """(stages, layers per stage). Every schedule but GPipe and 1F1B gives each rank two stages (v = 2 model
+    chunks, Narayanan et al. 2021, arXiv 2104.04473, Sec. 2.2; ZBV and DualPipeV need exactly two). Stages must
+    split the layers evenly: an uneven split leaves the bigger stages as the bottleneck of every step and the
+    smaller ones idle, a bubble of its own, so it is refused rather than warned about."""
+    stages = world * len(rank_stages(0, world, schedule))
     if num_layers % stages:
         divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
         raise run.RunError(
@@ -77,6 +87,15 @@ def stage_layout(num_layers: int, world: int, schedule: str) -> tuple[int, int]:
             f"not divide the model's {num_layers} layers evenly; the stage count must be one of {divisors}"
         )
     return stages, num_layers // stages
+
+
+def rank_stages(rank: int, world: int, schedule: str) -> list[int]:
+    """The stages rank `rank` holds. GPipe, 1F1B: stage r. Interleaved: r and r + ranks, a loop. ZBV and
+    DualPipeV: r and 2 * ranks - 1 - r, a V: the first rank holds the first and the last stage, and the last rank
+    the two middle ones, which hand each other their activations and gradients without a send."""
+    if schedule in ("gpipe", "1f1b"):
+        return [rank]
+    return [rank, 2 * world - 1 - rank] if schedule in ("zbv", "dualpipev") else [rank, rank + world]
 
 
 class Stage(nn.Module):
@@ -151,7 +170,7 @@ def main() -> None:
     # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, a pickled object).
     run.init_process_group(device)
     rank = dist.get_rank()
-    stage_ids = list(range(rank, n_stages, world))  # rank r: stage r, and r + world when interleaved
+    stage_ids = rank_stages(rank, world, args.schedule)
     dtype = run.torch_dtype(args.dtype)
     run_dir, resume_from = run.on_rank0(run.resolve_run_dir, args)
 
@@ -207,7 +226,7 @@ def main() -> None:
     del model, lm  # the layers of other ranks' stages are freed here
     stages = [PipelineStage(m, sid, n_stages, device) for m, sid in zip(modules, stage_ids)]
     has_first, has_last = stages[0].is_first, stages[-1].is_last
-    last_rank = (n_stages - 1) % world
+    last_rank = next(r for r in range(world) if n_stages - 1 in rank_stages(r, world, args.schedule))
 
     # The loss of one micro-batch: its token-loss sum over the step's global target tokens, from the lm_head at
     # the answer positions of the last stage's output. The schedule sums what loss_fn returns into the gradients,
@@ -221,9 +240,8 @@ def main() -> None:
 
     # The bubble's clock: every forward, loss and backward the schedule runs on this rank, timed as compute.
     timer_actions = metrics.ActionTimer(stages, device)
-    schedule_cls = SCHEDULES[args.schedule]
-    schedule = schedule_cls(
-        stages if args.schedule == "interleaved-1f1b" else stages[0],
+    schedule = SCHEDULES[args.schedule](
+        stages if len(stages) > 1 else stages[0],
         n_microbatches=accum,
         loss_fn=timer_actions.timed_loss(loss_fn, n_stages - 1),
         scale_grads=False,
@@ -270,21 +288,27 @@ def main() -> None:
         args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, pipeline=pipeline
     )
 
+    # torch's eval() fails on the V schedules: it still runs their backward actions, and a rank's two stages then
+    # "can't steal_bwd_input" from each other. They evaluate with whole steps instead, their gradients dropped.
+    v_shaped = args.schedule in ("zbv", "dualpipev")
+
     def eval_loss() -> float:
-        # Forward only, through the same pipeline; the loss function returns plain sums here.
+        # Forward only (a step on the V schedules), through the same pipeline; the loss returns plain sums here.
         loss_sum = torch.zeros((), dtype=torch.float64, device=device)
         denominator[0] = 1.0
         for m in modules:
             m.eval()
         for b in eval_batches:
             losses: list[torch.Tensor] = []
-            with torch.no_grad(), models.compute_autocast(device, dtype):
+            with torch.set_grad_enabled(v_shaped), models.compute_autocast(device, dtype):
                 b = data.to_device(b, device)
-                schedule.eval(*([b["input_ids"]] if has_first else []), target=b["target"], losses=losses)
+                run_eval = schedule.step if v_shaped else schedule.eval
+                run_eval(*([b["input_ids"]] if has_first else []), target=b["target"], losses=losses)
             if has_last:
-                loss_sum += torch.stack(losses).sum()
+                loss_sum += torch.stack(losses).detach().sum()
         for m in modules:
             m.train()
+        optimizer.zero_grad(set_to_none=True)  # the V schedules' eval steps' gradients
         recorder.take()  # the eval's sends are not the training step's traffic
         dist.broadcast(loss_sum, src=last_rank)
         return loss_sum.item() / eval_targets
@@ -331,13 +355,6 @@ def main() -> None:
             step_events, busy, pipe_time = timer_actions.read()
             every = [None] * world
             dist.all_gather_object(every, (busy, pipe_time, recorder.take()))
-            busy_s, pipe_s, sends = (list(x) for x in zip(*every))
-            bubble = [1 - b / w for b, w in zip(busy_s, pipe_s)]
-            send = {
-                "bytes": sum(s.get("send", {}).get("bytes", 0) for s in sends),
-                "count": sum(s.get("send", {}).get("count", 0) for s in sends),
-                "time_s": 0.0,
-            }
             row = log.row(
                 step=step + 1,
                 loss=loss,
@@ -346,12 +363,7 @@ def main() -> None:
                 target_tokens=denominator[0],
                 lengths=batches.lengths(step),  # real tokens of the global batch: known on the host
                 seconds=timer.seconds,
-                comm={"send": send},
-                pipeline_time_s=pipe_s,
-                busy_s=busy_s,
-                idle_s=[w - b for b, w in zip(busy_s, pipe_s)],
-                bubble_per_rank=bubble,
-                bubble=sum(bubble) / world,
+                **metrics.pipeline_step(every),  # the sends, busy / idle time and bubble of every rank
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
                 row["eval_loss"] = eval_loss()
@@ -373,34 +385,27 @@ def main() -> None:
         return
     if timeline is not None:
         (run_dir / "timeline.json").write_text(json.dumps(timeline))
-    p, v, m = world, n_stages // world, accum
-    # The memory model knows GPipe's and 1F1B's in-flight micro-batches. Interleaved 1F1B keeps no more than
-    # GPipe does (at most m micro-batches' activations per layer), so GPipe's figure is its upper bound.
+    # The bubble's theory, equal-cost stages and free transfers: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al.
+    # 2019, arXiv 1811.06965); for the multi-stage schedules, the action order they run, with equal F, I, W times
+    # (ftkit.metrics.schedule_bubble): (p-1)/(v*m+p-1) for interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2),
+    # (p-1)/(3*v*m+p-1) for the zero-bubble ones, ZB-H1's (p-1)(T_F+T_B-T_W) per stage (Qi et al. 2023, Table 2).
+    order = schedule.pipeline_order if len(stages) > 1 else None  # GPipe's and 1F1B's run from a loop of their own
+    theory = (world - 1) / (accum + world - 1) if order is None else metrics.schedule_bubble(order)
     rows = log.rows
     summary = log.run_summary(
         last_step,
+        # The memory model knows GPipe's and 1F1B's in-flight micro-batches. No schedule keeps more than GPipe
+        # does (at most m micro-batches' activations per layer), so GPipe's figure bounds the others.
         predicted=metrics.predicted_memory(
             config,
             args,
             "pp",
             world_size=world,
             pp_schedule="1f1b" if args.schedule == "1f1b" else "gpipe",
-            num_microbatches=m,
+            num_microbatches=accum,
         ),
-        note=metrics.memory_note(device, "(predicted: the busiest stage; interleaved 1F1B: GPipe's, an upper bound) "),
-        # The bubble: the share of the schedule's time a rank waits, measured, and what the schedule's shape
-        # predicts with equal-cost stages and free transfers: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al.
-        # 2019, arXiv 1811.06965); interleaving v chunks per rank shrinks the bubble time by v, (p-1)/(v*m) of
-        # the ideal time (Narayanan et al. 2021, arXiv 2104.04473, Sec. 2.2), i.e. (p-1)/(v*m+p-1) of the total.
-        bubble=sum(r["bubble"] for r in rows) / len(rows) if rows else None,
-        bubble_per_rank=[sum(r["bubble_per_rank"][k] for r in rows) / len(rows) for k in range(world)]
-        if rows
-        else None,
-        bubble_theory=(p - 1) / (v * m + p - 1),
-        bubble_note="per rank and step: 1 - (time inside the stages' forward/loss/backward) / (time inside "
-        "schedule.step), timed with CUDA events on GPUs, wall-clock on CPU; the mean over steps and ranks. "
-        "Idle time includes point-to-point transfers and the schedule's own Python work, which the theory counts "
-        "as zero",
+        note=metrics.memory_note(device, "(predicted: the busiest stage; beyond 1F1B: GPipe's, an upper bound) "),
+        **metrics.bubble_summary(rows, world, theory, order, timeline),
         # Each micro-batch crosses every stage boundary once forward (activations) and once backward (their
         # gradients): micro x --max-length x hidden x bytes, 2 (stages - 1) m times per step.
         activation_bytes_per_microbatch=args.micro_batch_size * args.max_length * config.hidden_size * dtype.itemsize,
