@@ -116,7 +116,9 @@ def main() -> None:
             f"over the {dp} FSDP groups"
         )
 
-    # ---- model: the whole base and the PEFT LoRA built on every rank (the same seed, the same init), as in tp-ft.
+    # ---- model: the whole base and the PEFT LoRA built on every rank (the same seed, the same init), as in tp-ft:
+    # each GPU holds the whole base until it is sharded (8 GB for Qwen3-4B). A model near a GPU's memory needs
+    # fsdp-ft's route instead: rank 0 loads into host memory, the others build on the meta device.
     with run.rank0_first():
         model = models.load_model(
             args.model, quant="none", dtype=dtype, device=device, seed=args.seed, vocab_size=len(tokenizer)
