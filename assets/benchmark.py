@@ -112,7 +112,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key in ("batch_size", "micro_batch_size", "max_length", "model", "data"):
         if getattr(args, key) is None:
             setattr(args, key, scale[key])
-    args.runs_dir = args.runs_dir or ftrun.RUNS / "benchmark" / dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    # Absolute: the runs start in the repository root, whatever the directory this command started in.
+    args.runs_dir = (args.runs_dir or ROOT / ftrun.RUNS / "benchmark" / stamp).resolve()
     return args
 
 
@@ -145,8 +147,9 @@ def command(r: Run, args: argparse.Namespace, uv: str) -> list[str]:
     return launcher + flags + ["--no-progress", "--output-dir", str(args.runs_dir / r.name)]
 
 
-def launch(runs: list[Run], args: argparse.Namespace) -> list[dict]:
-    """Run each in turn; a failed run stops the benchmark with its log's end. Returns what each launch was."""
+def launch(runs: list[Run], args: argparse.Namespace, argv: list[str]) -> list[dict]:
+    """Run each in turn; a failed run stops the benchmark with its log's end. What each launch was (command, start,
+    wall time, the machine's load) goes to benchmark.json in the runs directory as it happens."""
     uv = shutil.which("uv")
     if uv is None:
         sys.exit("the runs are launched as the README launches them, with `uv run`: install uv (pip install uv)")
@@ -155,6 +158,7 @@ def launch(runs: list[Run], args: argparse.Namespace) -> list[dict]:
         cmd = command(r, args, uv)
         log = args.runs_dir / f"{r.name}.log"
         print(f"[{i}/{len(runs)}] {r.name}", flush=True)
+        started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
         load, t0 = os.getloadavg()[0], time.perf_counter()
         with log.open("w") as f:
             code = subprocess.run(cmd, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=False).returncode
@@ -164,10 +168,12 @@ def launch(runs: list[Run], args: argparse.Namespace) -> list[dict]:
             {
                 "run": r.name,
                 "command": shlex.join(["uv", *cmd[1:]]),
+                "started": started,
                 "wall_s": round(time.perf_counter() - t0, 1),
                 "load_average_1min_before": load,
             }
         )
+        (args.runs_dir / "benchmark.json").write_text(json.dumps({"argv": argv, "launches": launches}, indent=2))
     return launches
 
 
@@ -210,6 +216,16 @@ def bubble(rows: list[dict]) -> tuple[list[float], list[float]]:
     return [i / p for i, p in zip(idle, pipe)], busy
 
 
+def shown(path: Path) -> str:
+    """A path as the markdown names it: relative to the repository root when inside it."""
+    return str(path.relative_to(ROOT)) if path.is_relative_to(ROOT) else str(path)
+
+
+def threads(hw: dict) -> str:
+    n, k = hw["world_size"], hw["torch_threads"]
+    return f"{n} rank{'s' if n > 1 else ''} x {k} intra-op thread{'s' if k > 1 else ''}"
+
+
 def spread(values: list[float], fmt: str) -> str:
     med = statistics.median(values)
     if len(values) == 1:
@@ -232,7 +248,7 @@ def report(
     hw = first["hardware"]
     gpu = hw["device"] == "cuda"
     versions = sorted({", ".join(f"{k} {v}" for k, v in s["versions"].items()) for s in summaries})
-    loads = [x["load_average_1min_before"] for x in launches]
+    load = {x["run"]: x["load_average_1min_before"] for x in launches}
     cfg = first["config"]
     device = f"{hw['gpu']} GPUs" if gpu else f"CPU only ({hw['cpu']}, {hw['cpu_count']} cores)"
     out = [
@@ -246,7 +262,9 @@ def report(
             f"**CPU numbers, not GPU numbers.** Measured on {hw['cpu_count']} CPU cores with the tiny random Qwen3 "
             "of the CPU walkthrough (`--smoke`: fp32, gloo over loopback). They show the mechanics and what each "
             "technique costs on this machine at this size, and say nothing about Qwen3-4B on GPUs; on CPU the "
-            "N ranks share the same cores, so N ranks cannot be N times faster here.",
+            "N ranks share the same cores, so N ranks cannot be N times faster here: "
+            + "; ".join(sorted({threads(s["hardware"]) for s in summaries}))
+            + " (`ftkit.run.share_cpu_cores`).",
             "",
         ]
     out += [
@@ -254,20 +272,21 @@ def report(
         f"platform {hw['platform']}.",
         f"- Software: {'; '.join(versions)}.",
         f"- Command: `{shlex.join(['uv', 'run', 'python', 'assets/benchmark.py', *argv])}` "
-        f"({dt.date.today().isoformat()}).",
+        f"(runs started {launches[0]['started']} to {launches[-1]['started']}).",
         f"- Every run: model `{cfg['model']}`, data `{cfg['data']}`, global batch {cfg['batch_size']} sequences "
         f"of at most {cfg['max_length']} tokens, micro-batch {cfg['micro_batch_size']}, {cfg['max_steps']} steps, "
         f"seed {cfg['seed']}, dtype {cfg['dtype']}; each configuration {args.repeats} time(s), interleaved.",
-        f"- Run directories: `{args.runs_dir}/<run>/` (config.json, metrics.jsonl, summary.json), each launch's "
-        f"command and log in `{args.runs_dir}/benchmark.json` and `<run>.log`. The same command writes them again.",
-        f"- 1-minute load average before each launch: {min(loads):.2f}-{max(loads):.2f}"
-        + (f". {args.note}" if args.note else "."),
+        f"- Run directories: `{shown(args.runs_dir)}/<run>/` (config.json, metrics.jsonl, summary.json), each "
+        f"launch's command and log in `{shown(args.runs_dir)}/benchmark.json` and `<run>.log`. The same command "
+        "writes them again.",
+        f"- The machine's 1-minute load average before each launch: {min(load.values()):.2f}-"
+        f"{max(load.values()):.2f} (column `load before`)" + (f". {args.note}" if args.note else "."),
         "",
         "## Throughput, memory, scaling",
         "",
         "| experiment | quant | ranks | tokens/s, median (range) | step time s, median (range) | "
-        "scaling efficiency | peak memory, rank 0 | memory model | MFU | runs |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "scaling efficiency | peak memory, rank 0 | memory model | MFU | runs | load before |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c, names in configs.items():
         s = data[names[0]][0]
@@ -289,6 +308,7 @@ def report(
             f"{s['memory_predicted']['total'] / 2**30:.3f} GiB",
             f"{100 * statistics.median(mfus):.1f}%" if None not in mfus else "-",
             ", ".join(f"`{n}`" for n in names),
+            ", ".join(f"{load[n]:.1f}" for n in names),
         ]
         out.append("| " + " | ".join(cells) + " |")
     skipped = [e for e in args.experiments if e in NEEDS_TWO]
@@ -417,7 +437,8 @@ def figure(path: Path, configs: dict[str, list[str]], data: dict, title: str) ->
         ideal.append(ranks * baseline[quant] if quant in baseline else None)
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels)), 4.5))
     x = range(len(labels))
-    ax.bar(x, med, yerr=[lo, hi], capsize=3, color="tab:blue", label="measured (median, range over repeats)")
+    colors = ["tab:gray" if "\n1 rank," in label else "tab:blue" for label in labels]
+    ax.bar(x, med, yerr=[lo, hi], capsize=3, color=colors, label="measured (median, range over repeats; grey: 1 rank)")
     ideal_x = [i for i, v in zip(x, ideal) if v is not None]
     ax.scatter(ideal_x, [v for v in ideal if v is not None], marker="_", s=600, color="black", zorder=3,
                label="ranks x single-gpu-ft (same quant)")  # fmt: skip
@@ -443,7 +464,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.report:
         recorded = json.loads((args.report / "benchmark.json").read_text())
         argv, launches = recorded["argv"], recorded["launches"]
-        args, runs_dir = parse_args(argv), args.report
+        args, runs_dir = parse_args(argv), args.report.resolve()
         args.runs_dir = runs_dir
         runs = plan(args)
     else:
@@ -451,8 +472,7 @@ def main(argv: list[str] | None = None) -> None:
             sys.exit(f"{args.runs_dir} is not empty: give a new --runs-dir")
         args.runs_dir.mkdir(parents=True, exist_ok=True)
         runs = plan(args)
-        launches = launch(runs, args)
-        (args.runs_dir / "benchmark.json").write_text(json.dumps({"argv": argv, "launches": launches}, indent=2))
+        launches = launch(runs, args, argv)
     data = {r.name: load(args.runs_dir / r.name) for r in runs}
     configs: dict[str, list[str]] = {}
     for r in runs:

@@ -37,7 +37,8 @@ def test_benchmark_markdown_is_its_run_files(tmp_path):
     assert fig.read_bytes().startswith(b"\x89PNG")
 
     # Launched as the README launches them, with the same job for every run.
-    launches = {x["run"]: x["command"] for x in json.loads((runs / "benchmark.json").read_text())["launches"]}
+    recorded = json.loads((runs / "benchmark.json").read_text())["launches"]
+    launches = {x["run"]: x["command"] for x in recorded}
     assert launches["single-gpu-ft-none-1rank-r1"].startswith("uv run python experiments/single-gpu-ft/train.py")
     assert launches["pp-ft-2rank-r1"].startswith("uv run torchrun --standalone --nproc_per_node=2 experiments/pp-ft/")
     jobs = {json.dumps({k: load(runs / r)[0]["config"][k] for k in ("model", "data", "seed", "max_steps",
@@ -63,6 +64,8 @@ def test_benchmark_markdown_is_its_run_files(tmp_path):
         assert row["step time s, median (range)"] == f"{summaries[0]['median_step_time_s']:.3f}"
         assert row["peak memory, rank 0"] == f"{summaries[0]['max_peak_rss'] / 2**30:.2f} GiB RSS"
         assert row["MFU"] == "-"
+        loads = {x["run"]: x["load_average_1min_before"] for x in recorded}
+        assert row["load before"] == ", ".join(f"{loads[n]:.1f}" for n in names)
     assert rows[1]["scaling efficiency"] == f"{measured['pp-ft'] / (2 * measured['single-gpu-ft']):.2f}"
 
     pp, metrics = load(runs / "pp-ft-2rank-r1")
