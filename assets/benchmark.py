@@ -284,9 +284,9 @@ def report(
         "",
         "## Throughput, memory, scaling",
         "",
-        "| experiment | quant | ranks | tokens/s, median (range) | step time s, median (range) | "
+        "| experiment | quant | ranks | tokens/s, median (range) | step time s, median (range) | every step s | "
         "scaling efficiency | peak memory, rank 0 | memory model | MFU | runs | load before |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c, names in configs.items():
         s = data[names[0]][0]
@@ -301,6 +301,7 @@ def report(
             str(ranks),
             spread([data[n][0]["median_tokens_per_s"] for n in names], ",.0f"),
             spread([data[n][0]["median_step_time_s"] for n in names], ".3f"),
+            "{:.3f}-{:.3f}".format(*(f(r["step_time_s"] for n in names for r in data[n][1][1:]) for f in (min, max))),
             eff,
             peak_memory(
                 max((data[n][0] for n in names), key=lambda x: x.get("max_peak_allocated", x.get("max_peak_rss")))
@@ -327,8 +328,9 @@ def report(
             else ": process peak RSS, which counts Python and the libraries too, so it is not "
             "comparable with the memory model's bytes"
         )
-        + ". The range is the smallest and largest of the repeats' "
-        "medians.",
+        + ". The range is the smallest and largest of the repeats' medians; every step: the fastest and the "
+        "slowest step after the first in any repeat, which shows how much other work on the machine moved "
+        "single steps.",
         "",
         figure_note,
     ]

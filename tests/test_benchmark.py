@@ -62,6 +62,8 @@ def test_benchmark_markdown_is_its_run_files(tmp_path):
         measured[row["experiment"]] = tokens_per_s
         assert row["tokens/s, median (range)"] == f"{tokens_per_s:,.0f}"
         assert row["step time s, median (range)"] == f"{summaries[0]['median_step_time_s']:.3f}"
+        steps = [m["step_time_s"] for n in names for m in load(runs / n)[1][1:]]
+        assert row["every step s"] == f"{min(steps):.3f}-{max(steps):.3f}"
         assert row["peak memory, rank 0"] == f"{summaries[0]['max_peak_rss'] / 2**30:.2f} GiB RSS"
         assert row["MFU"] == "-"
         loads = {x["run"]: x["load_average_1min_before"] for x in recorded}
