@@ -87,7 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--runs-dir", type=Path, default=None, help="[runs/benchmark/<time>/]")
     p.add_argument("--out", type=Path, default=ROOT / "assets" / "benchmark.md")
     p.add_argument("--figure", type=Path, default=ROOT / "assets" / "benchmark.png")
-    p.add_argument("--note", default=None, help="a sentence for the header, e.g. what else ran on the machine")
+    p.add_argument(
+        "--note",
+        default=None,
+        help="a sentence for the header, e.g. what else ran on the machine (with --report: replaces the recorded one)",
+    )
     p.add_argument(
         "--report",
         type=Path,
@@ -466,8 +470,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.report:
         recorded = json.loads((args.report / "benchmark.json").read_text())
         argv, launches = recorded["argv"], recorded["launches"]
-        args, runs_dir = parse_args(argv), args.report.resolve()
-        args.runs_dir = runs_dir
+        runs_dir, note = args.report.resolve(), args.note
+        args = parse_args(argv)
+        args.runs_dir, args.note = runs_dir, note or args.note
         runs = plan(args)
     else:
         if args.runs_dir.exists() and any(args.runs_dir.iterdir()):
