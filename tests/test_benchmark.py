@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 import re
+import runpy
 import statistics
+import sys
 
-from conftest import run_script
+from conftest import ROOT, run_script
 
 
 def table(text: str, heading: str) -> list[dict[str, str]]:
@@ -23,7 +25,7 @@ def load(run_dir):
     return summary, rows
 
 
-def test_benchmark_markdown_is_its_run_files(tmp_path):
+def test_benchmark_markdown_is_its_run_files(tmp_path, monkeypatch):
     runs, out, fig = tmp_path / "runs", tmp_path / "benchmark.md", tmp_path / "benchmark.png"
     flags = ["--nproc", "2", "--smoke", "--experiments", "pp-ft", "--repeats", "1", "--max-steps", "3"]
     flags += ["--max-length", "128", "--batch-size", "4", "--runs-dir", str(runs), "--out", str(out)]
@@ -87,3 +89,10 @@ def test_benchmark_markdown_is_its_run_files(tmp_path):
         assert (row["rank"], row["bubble, median (range)"]) == (str(k), f"{idle:.3f}")
         assert row["compute s / step"] == f"{busy[k]:.3f}" and row["theory"] == f"{pp['bubble_theory']:.3f}"
         assert (row["bottleneck"] == "**bottleneck**") == (busy[k] == max(busy))
+
+    # The markdown is a function of the run files alone: --report writes it again from them, the same.
+    out.unlink()
+    monkeypatch.syspath_prepend(str(ROOT / "assets"))  # as `python assets/benchmark.py` finds devlog_tables
+    monkeypatch.setattr(sys, "argv", ["benchmark.py", "--report", str(runs)])
+    runpy.run_path(str(ROOT / "assets" / "benchmark.py"), run_name="__main__")
+    assert out.read_text() == text
