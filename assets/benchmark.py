@@ -43,7 +43,7 @@ from devlog_tables import hardware, peak_memory
 from ftkit import run as ftrun
 
 ROOT = Path(__file__).resolve().parents[1]
-EXPERIMENTS = ("single-gpu-ft", "ddp-ft", "fsdp-ft", "tp-ft", "tp-sp-ft", "pp-ft")
+EXPERIMENTS = ("single-gpu-ft", "ddp-ft", "fsdp-ft", "tp-ft", "tp-sp-ft", "pp-ft", "fsdp-tp-ft")
 BASELINE = "single-gpu-ft"
 # The single-process reference each technique's step equals (DESIGN.md, "Equal to the reference"): QLoRA for DDP,
 # whose --quant defaults to nf4; LoRA on an unquantized base for the others, which have no 4-bit path.
@@ -190,13 +190,16 @@ def load(run_dir: Path) -> tuple[dict, list[dict]]:
     return summary, rows
 
 
-def comm_theory(s: dict) -> tuple[float | None, str]:
-    """Bytes per optimizer step that the run's summary says theory sends (the measured convention: bytes of the
-    buffers), and where the summary states it."""
+def comm_theory(s: dict, key: str) -> tuple[float | None, str]:
+    """Bytes per optimizer step that the run's summary says theory sends on the collectives recorded under `key`
+    (`comm`; fsdp-tp-ft adds `comm_tp` for its tp dimension), in the measured convention (bytes of the buffers),
+    and where the summary states it."""
     e = s["config"]["experiment"]
     if e == "ddp-ft":
         return s["trainable_grad_bytes"] * s["syncs_per_step"], "`trainable_grad_bytes` x `syncs_per_step`"
-    if e == "fsdp-ft":
+    if key == "comm_tp":
+        return s["theory_comm_tp_bytes_per_step"], "`theory_comm_tp_bytes_per_step`"
+    if e in ("fsdp-ft", "fsdp-tp-ft"):
         return (
             s["theory_all_gather_bytes"] + s["theory_reduce_scatter_bytes"],
             "`theory_all_gather_bytes` + `theory_reduce_scatter_bytes`",
@@ -208,6 +211,12 @@ def comm_theory(s: dict) -> tuple[float | None, str]:
             "2 (`stages` - 1) x `microbatches` x `activation_bytes_per_microbatch`",
         )
     return None, "none stated: the collectives per layer are in the script's comments and tests/test_tp.py"
+
+
+def label(s: dict) -> str:
+    """The experiment, and its mesh where it has one."""
+    mesh = s.get("mesh")
+    return s["config"]["experiment"] + (f" (dp {mesh['dp']} x tp {mesh['tp']})" if mesh else "")
 
 
 def bubble(rows: list[dict]) -> tuple[list[float], list[float]]:
@@ -300,7 +309,7 @@ def report(
         eff = f"{tps[c] / (ranks * base):.2f}" if base else "-"
         mfus = [data[n][0].get("median_mfu") for n in names]
         cells = [
-            s["config"]["experiment"],
+            label(s),
             quant,
             str(ranks),
             spread([data[n][0]["median_tokens_per_s"] for n in names], ",.0f"),
@@ -354,30 +363,34 @@ def comm_table(configs: dict[str, list[str]], data: dict) -> list[str]:
     ]
     for names in configs.values():
         s = data[names[0]][0]
-        if s["hardware"]["world_size"] == 1 or "comm" not in s:
+        if s["hardware"]["world_size"] == 1:
             continue
-        measured = s["comm_bytes_per_step"]
-        by_kind = {}
-        rows = [r["comm"] for r in data[names[0]][1] if "comm" in r]
-        for row in rows:
-            for k, v in row.items():
-                by_kind[k] = by_kind.get(k, 0) + v["bytes"] / len(rows)
-        kinds = ", ".join(f"{k} {v:,.0f}" for k, v in by_kind.items())
-        theory, source = comm_theory(s)
-        cells = [
-            s["config"]["experiment"],
-            str(s["hardware"]["world_size"]),
-            f"{measured:,.0f} ({kinds})",
-            f"{theory:,.0f}" if theory is not None else "-",
-            f"{measured / theory:.3f}" if theory else "-",
-            source,
-        ]
-        out.append("| " + " | ".join(cells) + " |")
+        for key in ("comm", "comm_tp"):
+            if f"{key}_bytes_per_step" not in s:
+                continue
+            measured = s[f"{key}_bytes_per_step"]
+            rows = [r[key] for r in data[names[0]][1] if key in r]
+            by_kind: dict[str, float] = {}
+            for row in rows:
+                for k, v in row.items():
+                    by_kind[k] = by_kind.get(k, 0) + v["bytes"] / len(rows)
+            kinds = ", ".join(f"{k} {v:,.0f}" for k, v in by_kind.items())
+            theory, source = comm_theory(s, key)
+            cells = [
+                label(s) + (" tp dimension" if key == "comm_tp" else ""),
+                str(s["hardware"]["world_size"]),
+                f"{measured:,.0f}" + (f" ({kinds})" if kinds else ""),
+                f"{theory:,.0f}" if theory is not None else "-",
+                f"{measured / theory:.3f}" if theory else "-",
+                source,
+            ]
+            out.append("| " + " | ".join(cells) + " |")
     out += [
         "",
         "Measured: the summary's `comm_bytes_per_step` of the first repeat, the mean over the steps that recorded "
-        "collectives (`tp-ft` records the first and the eval steps only), bytes of the whole buffers; the bytes "
-        "do not change between repeats of the same job.",
+        "collectives (`tp-ft` and the tp dimension of `fsdp-tp-ft` record the first and the eval steps only), bytes "
+        "of the whole buffers; the bytes do not change between repeats of the same job. A mesh dimension of one "
+        "rank sends nothing, and its theory is 0.",
     ]
     return out
 
