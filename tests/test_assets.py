@@ -49,3 +49,12 @@ def test_memory_model_matches_the_committed_h100_runs(run: str, monkeypatch, cap
     assert len(rows) == steps
     ratios = [float(r[-1]) for r in rows]
     assert all(0.93 <= x <= 1.03 for x in ratios), ratios
+
+
+def test_the_planners_cpu_check_is_reproduced_from_its_committed_inputs(monkeypatch, capsys):
+    """devlogs/plan-cpu-check.md: the planner's CPU step-time predictions against the benchmark, rebuilt from the
+    committed calibration and benchmark summaries (no measurement here: the check is that the report is what its
+    inputs give, so an edit to ftkit/plan.py that changes a prediction must regenerate it)."""
+    monkeypatch.setattr(sys, "argv", ["plan_cpu_check.py", "--check"])
+    runpy.run_path(str(ROOT / "assets" / "plan_cpu_check.py"), run_name="__main__")
+    assert "reproduced from the committed inputs" in capsys.readouterr().out
