@@ -199,6 +199,8 @@ def comm_theory(s: dict, key: str) -> tuple[float | None, str]:
         return s["trainable_grad_bytes"] * s["syncs_per_step"], "`trainable_grad_bytes` x `syncs_per_step`"
     if key == "comm_tp":
         return s["theory_comm_tp_bytes_per_step"], "`theory_comm_tp_bytes_per_step`"
+    if e == "tp-ft" and "theory_comm_bytes_per_step" in s:  # summaries written before it was stated have none
+        return s["theory_comm_bytes_per_step"], "`theory_comm_bytes_per_step`"
     if e in ("fsdp-ft", "fsdp-tp-ft"):
         return (
             s["theory_all_gather_bytes"] + s["theory_reduce_scatter_bytes"],

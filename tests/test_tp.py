@@ -194,6 +194,7 @@ def test_parallelize_module_all_reduces_per_module(tp):
         assert row["comm"]["all_reduce"]["count"] == micro * (4 * layers + 10 * layers - 3)
         expected = (2 * layers + 5 * layers - 3) * act + (2 * layers + 5 * layers) * rank_r
         assert row["comm"]["all_reduce"]["bytes"] == expected
+    assert summary["theory_comm_bytes_per_step"] == summary["comm_bytes_per_step"]
 
 
 def logits_on_one_device(run_dir, merged: bool = False) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from ftkit import comm, data, metrics, models, run
 from ftkit.profiling import StepProfiler
 
-tp_ft = run.load_experiment("tp-ft")  # its lora_aware_plan
+tp_ft = run.load_experiment("tp-ft")  # its lora_aware_plan and all_reduce_theory
 
 
 def parse_args():
@@ -239,12 +239,6 @@ def main() -> None:
             run.save_adapter(run_dir / "adapter", get_peft_model_state_dict(model, state_dict=full), peft_config)
     if rank != 0:
         return
-    layers, forward = config.num_hidden_layers, 2 * (2 if args.grad_checkpointing else 1)
-    backward = 5 * layers - (0 if args.grad_checkpointing else 3)
-    lora_share = args.lora_rank / config.hidden_size  # a rank-r tensor's bytes per activation byte
-    per_act = forward * layers + backward + (forward * layers + 5 * layers) * lora_share
-    sampled = [r["activation_bytes"] for r in log.rows if "comm_tp" in r]
-    tp_theory = per_act * sum(sampled) / max(1, len(sampled))
     summary = log.run_summary(
         last_step,
         predicted=metrics.predicted_memory(config, args, "fsdp", world_size=world, tp=tp),
@@ -253,14 +247,10 @@ def main() -> None:
         param_shard_bytes=shard_bytes,
         # Theory per optimizer step on the `dp` dimension, bytes of the whole buffers, as in fsdp-ft but of this TP
         # rank's slices: every unit all-gathered per micro-step forward, the layers again in backward; the LoRA
-        # gradients reduce-scattered once, in fp32. On `tp`, tp-ft's all-reduces on this TP group's micro-batches:
-        # per layer, forward o_proj and down_proj (and their lora_A: rank-r, r/hidden of an activation), backward
-        # the five column modules' input gradients (and their lora_B), less layer 0's q/k/v (no gradient into the
-        # frozen embedding); checkpointing repeats the forward ones, and makes the embedding's output require grad
-        # (transformers' enable_input_require_grads), so layer 0's q/k/v send too. Per sampled step.
+        # gradients reduce-scattered once, in fp32. On `tp`, tp-ft's all-reduces on this TP group's micro-batches.
         theory_all_gather_bytes=accum * (all_bytes + layer_bytes) if dp > 1 else 0,  # a group of one sends nothing
         theory_reduce_scatter_bytes=lora_slice * 4 if dp > 1 else 0,
-        theory_comm_tp_bytes_per_step=tp_theory if tp > 1 else 0,
+        theory_comm_tp_bytes_per_step=tp_ft.all_reduce_theory(config, args, log.rows, "comm_tp") if tp > 1 else 0,
         **comm.summarize(log.rows),
         **comm.summarize(log.rows, key="comm_tp"),
         comm_note="`comm` (dp): FSDP2's all-gathers and reduce-scatters per optimizer step on rank 0's FSDP group, "
