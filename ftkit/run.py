@@ -936,13 +936,21 @@ def finish(args: argparse.Namespace, run_dir: Path, summary: dict, finished: boo
 # ---------------------------------------------------------------------------------------------- eval
 
 
-def eval_micro_batches(encoded: list, n_examples: int, micro_batch_size: int, rank: int = 0, world: int = 1):
+def eval_micro_batches(
+    encoded: list, n_examples: int, micro_batch_size: int, rank: int = 0, world: int = 1, even: bool = False
+):
     """A fixed held-out set (the first n examples, longest first to pad little), cut into micro-batches and
-    dealt round-robin to ranks."""
+    dealt round-robin to ranks. `even`: refuse a set that does not split evenly over the ranks, for techniques
+    whose every forward is a collective (FSDP's all-gathers) and so must run as many micro-batches on every rank."""
     from ftkit.data import collate
 
     chosen = sorted(encoded[:n_examples], key=lambda e: -len(e.input_ids))
     chunks = [chosen[i : i + micro_batch_size] for i in range(0, len(chosen), micro_batch_size)]
+    if even and len(chunks) % world:
+        raise RunError(
+            f"--eval-examples {n_examples} makes {len(chunks)} eval micro-batches of {micro_batch_size}, which do "
+            f"not split evenly over {world} data-parallel groups (every FSDP forward is a collective)"
+        )
     return [collate(c) for c in chunks[rank::world]]
 
 

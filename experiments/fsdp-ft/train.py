@@ -185,14 +185,8 @@ def main() -> None:
     # Every rank builds the same global batches (a function of seed and step) and takes its own share of each.
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
     batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
-    eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, rank, world)
     # An evaluation forward all-gathers every unit, a collective: every rank must run as many micro-batches.
-    n_eval = -(-min(args.eval_examples, len(val_set)) // args.micro_batch_size)
-    if n_eval % world:
-        raise run.RunError(
-            f"--eval-examples {args.eval_examples} makes {n_eval} eval micro-batches of {args.micro_batch_size}, "
-            f"which do not split evenly over {world} ranks (every FSDP forward is a collective)"
-        )
+    eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, rank, world, even=True)
 
     # ---- model: rank 0 loads the real weights into CPU memory; the other ranks build the same model on the
     # meta device (shapes, no storage). After sharding, rank 0 broadcasts the weights and each rank keeps only

@@ -108,13 +108,8 @@ def main() -> None:
     # ---- data: every rank builds the same global batches; a TP group takes its FSDP index's share of each.
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
     batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
-    eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, dp_rank, dp)
-    n_eval = -(-min(args.eval_examples, len(val_set)) // args.micro_batch_size)
-    if n_eval % dp:  # every FSDP forward is a collective: every TP group must run as many eval micro-batches
-        raise run.RunError(
-            f"--eval-examples {args.eval_examples} makes {n_eval} eval micro-batches, which do not split evenly "
-            f"over the {dp} FSDP groups"
-        )
+    # Every FSDP forward is a collective: every TP group must run as many eval micro-batches.
+    eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, dp_rank, dp, even=True)
 
     # ---- model: the whole base and the PEFT LoRA built on every rank (the same seed, the same init), as in tp-ft:
     # each GPU holds the whole base until it is sharded (8 GB for Qwen3-4B). A model near a GPU's memory needs
