@@ -26,8 +26,10 @@ A model, not a measurement; every term is a formula in this repository or a stat
   - TP (tp-ft, DTensor): per layer and micro-batch, the forward all-reduces of o_proj and down_proj and the
     backward all-reduces of the five column layers' inputs (q, k, v, gate, up), plus the forward ones again when
     checkpointing recomputes: 7 or 9 all-reduces of [micro, seq, hidden] on the critical path;
-  - TP+SP (tp-sp-ft): Megatron's pairs, one per block entry and exit: 4 collectives per layer (6 with the
-    recompute), each all-gather + reduce-scatter or all-reduce, the same wire bytes, on the critical path;
+  - TP+SP (tp-sp-ft): Megatron's pairs, one per block entry and exit: 4 collectives per layer (5.5 with the
+    recompute, which repeats the two entries' all-gathers and the attention exit's reduce-scatter but stops
+    before the MLP's exit: tp-sp-ft's `collective_theory`), each all-gather + reduce-scatter or all-reduce, the
+    same wire bytes, on the critical path;
   - PP (pp-ft, 1F1B): the bubble, (p - 1) / m of the compute (Narayanan et al. 2021, arXiv 2104.04473, Sec. 2.2),
     and the point-to-point activations of the fill and the drain (2 (p - 1) transfers; the steady state's are
     taken as hidden);
@@ -226,7 +228,7 @@ def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> di
         per_layer = 9 if s.grad_checkpointing else 7
         exposed += accum * shape.layers * per_layer * coll("all_reduce", activation, tp, inside_node=True)
     if technique == "tp-sp":
-        per_layer = 6 if s.grad_checkpointing else 4
+        per_layer = 5.5 if s.grad_checkpointing else 4  # in pairs: the recompute adds three halves
         pair = coll("all_gather", activation, tp, True) + coll("reduce_scatter", activation, tp, True)
         replicated = (
             shape.layers

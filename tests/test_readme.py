@@ -157,6 +157,20 @@ def test_fsdp_tp_walkthrough_sends_what_its_summary_says_with_checkpointing(walk
         assert row["comm"]["all_gather"]["bytes"] == s["theory_all_gather_bytes"]
 
 
+def test_tp_sp_walkthrough_sends_what_its_summary_says_with_checkpointing(walkthroughs):
+    """The walkthrough runs tp-sp-ft with checkpointing (tests/test_tp.py turns it off): the recompute repeats each
+    block's forward all-gather and reduce-scatter, and the embedding output requires grad, so layer 0's attention
+    reduce-scatters its input gradient too. Its summary's theory, kind by kind, is what was recorded."""
+    proc, out = walkthroughs["tp-sp-ft"]
+    assert proc.returncode == 0
+    s = json.loads((out / "summary.json").read_text())
+    assert s["config"]["grad_checkpointing"] and s["sequence_parallel"]
+    steps = len(parity.metrics(out))
+    by_kind = {kind: t["bytes"] / steps for kind, t in s["comm"].items()}
+    assert s["theory_comm_by_kind_per_step"] == pytest.approx(by_kind, rel=1e-12)
+    assert s["theory_comm_bytes_per_step"] == pytest.approx(s["comm_bytes_per_step"], rel=1e-12) and by_kind
+
+
 def test_the_reference_configuration_is_the_scripts_defaults():
     """The README's reference configuration table, against the defaults the scripts resolve (ftkit/run.py REAL and
     the common parser), so the configuration every post refers to cannot drift from the code."""

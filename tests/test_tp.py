@@ -149,6 +149,8 @@ def test_megatron_tp_all_reduces_twice_per_layer_each_way(megatron_tp):
         assert set(row["comm"]) == {"all_reduce"}
         assert row["comm"]["all_reduce"]["bytes"] == (4 * layers - 1) * act + summary["replicated_lora_grad_bytes"]
         assert row["comm"]["all_reduce"]["count"] == BATCH // MICRO * (4 * layers - 1) + 1
+    # The summary states the same theory (tp-sp-ft's collective_theory), beside what was recorded.
+    assert summary["theory_comm_bytes_per_step"] == pytest.approx(summary["comm_bytes_per_step"], rel=1e-12)
 
 
 def test_sequence_parallel_sends_the_same_bytes_as_reduce_scatter_plus_all_gather(sp, megatron_tp):
@@ -169,6 +171,9 @@ def test_sequence_parallel_sends_the_same_bytes_as_reduce_scatter_plus_all_gathe
         )
         wire_tp = parity_ring("all_reduce", other["comm"]["all_reduce"]["bytes"], n)
         assert wire_sp == wire_tp + 2 * (n - 1) / n * act
+    steps = len(rows)
+    by_kind = {kind: t["bytes"] / steps for kind, t in summary["comm"].items()}
+    assert summary["theory_comm_by_kind_per_step"] == pytest.approx(by_kind, rel=1e-12)
 
 
 def parity_ring(kind: str, size: float, world: int) -> float:
