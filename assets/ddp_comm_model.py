@@ -2,7 +2,8 @@
 
     uv run python assets/ddp_comm_model.py
 
-Prints the Markdown tables the DDP post quotes (blogs/ddp.md). Bytes come from the model's shape (the memory
+Prints the Markdown tables the DDP post quotes (blogs/ddp.md; tests/test_assets.py checks the first is
+there). Bytes come from the model's shape (the memory
 model's parameter counts); times from the ring all-reduce's bandwidth term, 2(N-1)/N x bytes / link bandwidth
 (Patarasuk & Yuan 2009), at the links' *peak* per-direction bandwidth from NVIDIA's datasheets. Real NCCL runs
 reach less than peak and add 2(N-1) message latencies, so the times are lower bounds. The compute time beside
@@ -16,16 +17,12 @@ from transformers import Qwen3Config
 from ftkit import comm, hardware, metrics, models
 from ftkit.memory import ModelShape, lora_params
 
-# Peak bandwidth per direction, bytes/s, for one GPU's link into the all-reduce.
+# The links, from ftkit/hardware.py (each with its datasheet): peak bandwidth per direction, one GPU's link into
+# the all-reduce. The full finetune's row leaves out InfiniBand, whose time is the LoRA row's scaled.
 LINKS = {
-    # H100 SXM5: NVLink 4, 900 GB/s total (both directions) per GPU (NVIDIA H100 datasheet).
-    "NVLink 4 (H100 SXM), 450 GB/s": 450e9,
-    # PCIe Gen5 x16: 128 GB/s total, 64 GB/s each way (NVIDIA H100 PCIe datasheet).
-    "PCIe Gen5 x16, 64 GB/s": 64e9,
-    # PCIe Gen4 x16: 64 GB/s total, 32 GB/s each way (NVIDIA A100 PCIe datasheet).
-    "PCIe Gen4 x16, 32 GB/s": 32e9,
-    # Across nodes: one 400 Gb/s InfiniBand NDR adapter per GPU (ConnectX-7, as in a DGX H100).
-    "InfiniBand NDR 400 Gb/s, 50 GB/s": 50e9,
+    "NVLink 4 (H100 SXM)": hardware.LINKS["nvlink4"],
+    "PCIe Gen4 x16": hardware.LINKS["pcie4"],
+    "InfiniBand NDR 400 Gb/s": hardware.LINKS["ib-ndr"],
 }
 ASSUMED_MFU = 0.3
 H100_BF16 = hardware.gpu("h100-sxm").bf16_flops
@@ -43,15 +40,15 @@ def main() -> None:
     # One optimizer step of the real run: 16 sequences of 2048 tokens (all counted as real tokens).
     flops = metrics.step_flops([SEQ] * GLOBAL_BATCH, config, lora)
 
-    print("Bytes per sync, and ring all-reduce time (bandwidth term, peak link bandwidth): model, not measured\n")
-    print("| gradients | MiB per sync | link | GPUs | wire MiB per GPU | all-reduce ms |")
-    print("|---|---|---|---|---|---|")
-    for what, size in syncs.items():
-        for link, bw in LINKS.items():
-            for n in (2, 8):
-                wire = comm.ring_wire_bytes("all_reduce", size, n)
-                print(f"| {what} | {size / 2**20:,.0f} | {link} | {n} | {wire / 2**20:,.0f} | {1e3 * wire / bw:,.2f} |")
-
+    print("| what one sync sends | MiB | link (peak, each way) | 2 GPUs | 8 GPUs |")
+    print("|---|---|---|---|---|")
+    for i, (what, size) in enumerate(syncs.items()):
+        links = LINKS if i == 0 else {k: v for k, v in LINKS.items() if "InfiniBand" not in k}
+        for j, (name, link) in enumerate(links.items()):
+            times = [1e3 * comm.ring_wire_bytes("all_reduce", size, n) / link.bytes_per_s for n in (2, 8)]
+            cells = [f"{t:,.2f} ms" if t < 10 else f"{t:,.1f} ms" if t < 100 else f"{t:,.0f} ms" for t in times]
+            head = f"| {what} | {size / 2**20:,.0f} |" if j == 0 else "| | |"
+            print(f"{head} {name}, {link.bytes_per_s / 1e9:g} GB/s | {cells[0]} | {cells[1]} |")
     print(f"\nCompute per optimizer step ({GLOBAL_BATCH} x {SEQ} tokens, {flops:.3g} model FLOPs, the MFU convention")
     print(f"of ftkit/metrics.py), at an ASSUMED {ASSUMED_MFU:.0%} MFU on H100s ({H100_BF16:.3g} FLOP/s bf16 peak):\n")
     print("| GPUs | compute s per step | LoRA all-reduce over NVLink 4, % of compute | over PCIe Gen4 |")
@@ -59,7 +56,7 @@ def main() -> None:
     for n in (2, 8):
         seconds = flops / n / (ASSUMED_MFU * H100_BF16)
         wire = comm.ring_wire_bytes("all_reduce", lora * 4, n)
-        nvlink, pcie = wire / LINKS["NVLink 4 (H100 SXM), 450 GB/s"], wire / LINKS["PCIe Gen4 x16, 32 GB/s"]
+        nvlink, pcie = (wire / LINKS[k].bytes_per_s for k in ("NVLink 4 (H100 SXM)", "PCIe Gen4 x16"))
         print(f"| {n} | {seconds:.2f} | {100 * nvlink / seconds:.2f}% | {100 * pcie / seconds:.2f}% |")
 
 

@@ -15,10 +15,10 @@ GIB = 2**30
 
 def main() -> None:
     print(
-        "| run | technique | world | global batch | checkpointing | tracked peak GiB | predicted GiB "
+        "| run | technique | world | global batch | micro-steps run | checkpointing | tracked peak GiB | predicted GiB "
         "| tracked / predicted | FLOPs counted / convention | with recompute / counted | bf16 share of matmul FLOPs |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for path in sorted(RUNS.glob("*.json")):
         r = json.loads(path.read_text())
         ratio = r["flops_counted_with_recompute"] / r["flops_counted"]
@@ -27,6 +27,7 @@ def main() -> None:
             r["technique"],
             r["world_size"],
             r["config"]["batch_size"],
+            f"{r['config']['micro_steps_run']} of {r['config']['accumulation_steps']}",
             r["config"]["grad_checkpointing"],
             f"{r['tracked_peak_bytes'] / GIB:.2f}",
             f"{r['predicted_bytes'] / GIB:.2f}",

@@ -20,9 +20,16 @@ Everything here is arithmetic on the model shape; nothing is measured. The compo
 (Rajbhandari et al. 2020, arXiv 1910.02054): bf16 weights and gradients plus fp32 master weights and two
 Adam moments, 2 + 2 + 12 B/param. `zero_bytes` gives that paper's per-GPU model-state formulas.
 
-Not modelled: the CUDA context and NCCL buffers, allocator fragmentation, transients (the fp32 logits
-gradient in the loss backward, the dequantized 4-bit weight during a matmul, unsharded gradients and
-all-reduce/reduce-scatter buffers), and a padding attention mask: expect a measured peak above `total`.
+The peak is the larger of backward's two peaks: at the loss (every saved activation, the loss's own tensors and
+its gradients) and, with checkpointing, in the first layer backward recomputes (the kept inputs, one layer's full
+activations and the gradients its backward holds). At Qwen3-4B's shape on fake tensors (`ftkit.realscale`) this
+is what torch's memory trackers count, to the byte.
+
+Not modelled: the CUDA context and NCCL buffers, allocator fragmentation, transients outside those two peaks
+(the dequantized 4-bit weight during a matmul, unsharded gradients and all-reduce/reduce-scatter buffers), a
+padding attention mask (with one, transformers builds a 4-D mask, which each layer's SDPA saves, and repeats k
+and v to every head), and whatever CUDA's kernels allocate for themselves: on the committed H100 runs the CUDA
+peak is 0-8% above `total` (devlogs/single-gpu-ft.md).
 """
 
 from __future__ import annotations
@@ -290,6 +297,7 @@ def predict(
     pp_schedule: str = "1f1b",
     num_microbatches: int | None = None,
     reshard_after_forward: bool = True,
+    accumulation_steps: int = 1,
 ) -> MemoryPrediction:
     """Predicted per-GPU memory for one training configuration, on the busiest rank / pipeline stage.
 
@@ -309,11 +317,16 @@ def predict(
       upcast fp32 embedding makes the residual stream, and so every activation, fp32 (peft's recipe has no
       autocast). The LoRA adapters compute in the activation dtype (`models.adapters_compute_in`).
     - Checkpointing is non-reentrant and per decoder layer: each layer keeps its input (a*h per token) and
-      backward recomputes one layer at a time, so one layer's full activations are added once.
-    - Logits: the lm_head output (activation dtype) held by the model output, plus the fp32 log-softmax that
-      cross-entropy saves: (a + 4)*vocab per position the lm_head runs on. The scripts run it on the answer
-      positions only (`logits_to_keep`); `logit_positions` is how many per sequence, None counting every
-      position (seq_len), an upper bound. Under TP they are gathered (full vocab on every rank).
+      backward recomputes one layer at a time, so one layer's full activations count once, at the recompute
+      peak, with its backward's gradients.
+    - Logits: cross-entropy saves its fp32 log-softmax, and its backward adds two fp32 tensors of the same size:
+      12 bytes per logit at the loss peak (the model's own bf16 logits are freed before backward: the scripts
+      drop the output; pp's schedule keeps them). Beside them the final norm's fp32 input and the lm_head's
+      input picked at the answer positions (`logits_to_keep`), which saves the whole normed sequence.
+      `logit_positions` is how many positions per sequence the lm_head runs on, None counting every position
+      (seq_len), an upper bound. Under TP they are gathered (full vocab on every rank).
+    - FSDP2 with accumulation_steps > 1: the scripts skip the reduce-scatter until the last micro-step
+      (`set_requires_gradient_sync`), so the gradients accumulate unsharded, whole on every rank.
     - FSDP2: at peak the current layer and the prefetched next one are unsharded (all layers with
       reshard_after_forward=False), and the root unit (embeddings, final norm) stays unsharded throughout,
       FSDP2's default for the root module.
@@ -394,23 +407,48 @@ def predict(
         grads = grad_bytes * trainable * (2 if technique == "ddp" else 1)  # DDP: + its gradient buckets
         optim = optim_bytes * trainable
 
-        gathered = 0.0
-        if technique == "fsdp":  # unsharded copies for compute, on top of the resident shards
-            layer_full = layer_weights + FP32 * layer_lora
-            gathered = outside * other_bytes + layer_full * (2 if reshard_after_forward else layers)
-
         acts = in_flight * layers * kept_per_layer + 2 * seq_len * shape.head_dim * act  # + RoPE cos, sin
         acts += copies
-        if grad_checkpointing:
-            acts += layer_acts  # the layer being recomputed in backward
+        # Backward has two peaks, and the larger one counts: at the loss, and in the first layer it runs (the first
+        # it recomputes, with checkpointing), once the loss's tensors are freed.
+        loss_peak = 0.0
         if last:
-            final_norm = FP32 * (shape.hidden + 1) + (2 * act * shape.hidden if full_finetune else 0)
-            logits = (act + FP32) * shape.vocab * micro_batch_size * (logit_positions or seq_len)
-            acts += in_flight * (tokens * final_norm / sp + logits)
+            positions = micro_batch_size * (logit_positions or seq_len)
+            n_logits = shape.vocab * positions
+            # Saved until the loss backward: the final norm's fp32 input and 1/rms; the lm_head's input picked at
+            # the answer positions (a gather that saves the whole normed sequence and an int64 index of the picked
+            # rows' shape); cross-entropy's fp32 log-softmax. The model's own bf16 logits are freed before backward
+            # (the scripts drop the output), except under pp, whose schedule keeps each micro-batch's stage output.
+            final_norm = tokens * (FP32 * (shape.hidden + 1) + (2 * act * shape.hidden if full_finetune else 0)) / sp
+            picked = 0.0 if logit_positions is None else tokens * act * shape.hidden + 8 * positions * shape.hidden
+            picked += tokens * act * shape.hidden if sequence_parallel else 0.0  # the sequence all-gather's copy
+            saved = final_norm + picked + (FP32 + (act if technique == "pp" else 0)) * n_logits
+            acts += (in_flight - 1) * saved
+            # The last micro-batch's loss backward: the log-softmax's gradient and its input's, fp32, beside it.
+            loss_peak = saved + 2 * FP32 * n_logits
+        # The layer's backward holds gradients beside what it saved; at its peak, inside down_proj's LoRA backward:
+        # A's input gradient (the MLP's width, in the adapters' dtype), five of the hidden width in the stream
+        # dtype, one fp32 value per token (counted on ftkit.realscale's fake-tensor runs, to the byte).
+        lora_a = FP32 if fp32_adapter_compute else act
+        working = tokens * (lora_a * shape.intermediate / tp + 5 * act * shape.hidden / sp + FP32)
+        layer_peak = working + (layer_acts if grad_checkpointing else 0.0)
+
+        # FSDP's unsharded copies for compute, on top of the resident shards: the root unit (embeddings, final
+        # norm) throughout; the layers at the layer peak, the current one and the prefetched next (all of them,
+        # at both peaks, with reshard_after_forward=False, which keeps them from forward on).
+        root = layer_set = 0.0
+        if technique == "fsdp":
+            root = outside * other_bytes
+            layer_set = (layer_weights + FP32 * layer_lora) * (2 if reshard_after_forward else layers)
+        at_loss = 0.0 if reshard_after_forward else layer_set
+        if loss_peak + at_loss >= layer_peak + layer_set:
+            acts, gathered = acts + loss_peak, root + at_loss
+        else:
+            acts, gathered = acts + layer_peak, root + layer_set
         return MemoryPrediction(
             weights=weights / shards,
             lora=lora / shards,
-            gradients=grads / shards,
+            gradients=grads / (1 if accumulation_steps > 1 else shards),
             optimizer=optim / shards,
             activations=acts,
             gathered=gathered,

@@ -374,8 +374,14 @@ def run_config(args, hardware: dict, data_stats: dict, counts: dict, accum: int,
 def predicted_memory(config, args, technique: str, **setting) -> dict:
     """The memory model's bytes (ftkit/memory.py) for this run's model and flags; `setting`: what the technique
     adds (quant, world_size, reshard_after_forward, pp_schedule, ...). Logits are counted at every position, an
-    upper bound: the scripts compute them at the answer positions only."""
+    upper bound: the scripts compute them at the answer positions only. FSDP's accumulation steps come from the
+    flags (with more than one, its gradients accumulate unsharded)."""
+    from ftkit.data import accumulation_steps
     from ftkit.memory import ModelShape, predict
+
+    if technique == "fsdp":
+        dp = setting.get("world_size", 1) // setting.get("tp", 1)
+        setting["accumulation_steps"] = accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=dp)
 
     return predict(
         ModelShape.from_config(config),

@@ -98,8 +98,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=int,
         default=None,
         help="run only this many (at least 2) of each optimizer step's accumulation micro-steps, for a quicker run; "
-        "the FLOPs are scaled to the whole step, but the tracked peak comes out lower than with all of them (not "
-        "yet explained; labelled in the output) [default: all]",
+        "the FLOPs are scaled to the whole step, and the peak is the same (every micro-step after the first "
+        "accumulates into the same gradients; labelled in the output) [default: all]",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     opts = p.parse_args(argv)
@@ -308,13 +308,27 @@ def measure(opts: argparse.Namespace) -> dict:
     if runs < accum:
         stand_ins.append(
             f"each optimizer step ran {runs} of its {accum} accumulation micro-steps (--micro-steps); the FLOPs "
-            f"counted are scaled by {accum}/{runs} (every micro-step counts the same), but the tracked peak is a "
-            "lower bound: with 4 layers, 2 of 8 micro-steps tracked 3.05e9 bytes against 3.55e9 with all 8 (more "
-            "activations and temporaries at the peak), a difference not yet explained"
+            f"counted are scaled by {accum}/{runs} (every micro-step counts the same); the peak is the one all "
+            f"{accum} reach, since every micro-step after the first accumulates into the same gradients (tracked to "
+            "the byte with 2 layers: 2 and 8 micro-steps, 2,260,994,684 bytes each)"
         )
     n_target = int((mb["targets"] != data.IGNORE_INDEX).sum()) * accum * dp  # the global batch's target tokens
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    padded = not bool(mb["attention_mask"].all())
+    attention_mask = mb["attention_mask"] if padded else None
+    if not padded:
+        stand_ins.append(
+            "no attention mask: the synthetic batch has no padding, so the causal mask is left to SDPA's is_causal "
+            "(GQA kept), as transformers decides on a real run; on fake tensors it cannot read the mask or the "
+            "position ids and would build the mask, which every layer's SDPA then saves, with k and v repeated "
+            "to every head"
+        )
+    if args.lora_dropout > 0:
+        stand_ins.append(
+            "LoRA dropout runs as torch.native_dropout, CUDA's fused kernel, which saves a 1-byte mask; CPU's "
+            "dropout multiplies by a noise tensor in the input dtype and saves that instead"
+        )
+    with FakeTensorMode(allow_non_fake_inputs=True), cuda_dropout(), causal_mask_skipped(not padded):
         materialise(model, device)
         buckets = 0
         if technique == "ddp":
@@ -326,7 +340,7 @@ def measure(opts: argparse.Namespace) -> dict:
 
         def micro_step(sync: bool) -> None:
             kwargs = dict(
-                input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], logits_to_keep=mb["logit_positions"]
+                input_ids=mb["input_ids"], attention_mask=attention_mask, logits_to_keep=mb["logit_positions"]
             )
             if technique == "fsdp":  # experiments/fsdp-ft/train.py's micro-step: FSDP2 casts, no autocast
                 model.set_requires_gradient_sync(sync)
@@ -374,7 +388,7 @@ def measure(opts: argparse.Namespace) -> dict:
 
         # ---- `steps` optimizer steps of `accum` micro-steps each, memory tracked from the start.
         tracker = make_tracker(technique, model, optimizer, mb)
-        with tracker:
+        with no_tracker_graph_leak(), tracker:
             for _ in range(opts.steps):
                 optimizer_step_of_micro_steps(tracker)
         # ---- one more optimizer step, its FLOPs counted (not inside the memory tracker: under both, the tracker
@@ -480,6 +494,61 @@ def measure(opts: argparse.Namespace) -> dict:
         "versions": metrics.versions(),
         "seconds": round(elapsed, 1),
     }
+
+
+@contextlib.contextmanager
+def causal_mask_skipped(unpadded: bool):
+    """transformers' decision for a batch without padding passed without a mask, made for fake tensors.
+
+    With no mask transformers looks for packed sequences in the position ids; a fake tensor has no values to look
+    at, so it assumes packing and builds a 4-D mask. These position ids are 0..s-1 in every row, for which the check
+    finds none (returns None): that is what this returns. Then the mask is skipped (SDPA's is_causal), as on a
+    real run."""
+    if not unpadded:
+        yield
+        return
+    from transformers import masking_utils
+
+    with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
+        yield
+
+
+@contextlib.contextmanager
+def no_tracker_graph_leak():
+    """torch's memory trackers, without the leak their module tracking causes across steps.
+
+    To follow backward through the modules, ModTracker registers a hook on each module's inputs that fires once all
+    of their gradients are computed (`register_multi_grad_hook`, mode "all"). That hook's closure holds the inputs'
+    autograd nodes, and each node holds the hook: a cycle through C++ that Python's collector cannot see, so the
+    node, and everything its graph reaches, outlives the step. Here that is the embedding output (a leaf that
+    requires grad: PEFT calls `enable_input_require_grads` when checkpointing is on) with its accumulated gradient,
+    two hidden-size tensors per micro-step (21 MB each in bf16 at 2 x 2048 tokens), which a run without the tracker
+    frees. The hook in mode "any" (fire at the first input gradient) holds no nodes; only the per-module statistics
+    see the difference, for modules with more than one input that requires grad, not the peak."""
+    from torch.distributed._tools import mod_tracker
+
+    hook = mod_tracker.register_multi_grad_hook
+
+    def first_gradient(tensors, fn, mode="all"):
+        return hook(tensors, (lambda grad: fn([grad])) if mode == "all" else fn, mode="any")
+
+    with mock.patch.object(mod_tracker, "register_multi_grad_hook", first_gradient):
+        yield
+
+
+@contextlib.contextmanager
+def cuda_dropout():
+    """`F.dropout` (what PEFT's `nn.Dropout` calls) as CUDA runs it: `torch.native_dropout`, the fused kernel that
+    saves a bool mask for backward. On the CPU device `F.dropout` multiplies by a noise tensor in the input dtype
+    and saves it, 2 bytes per element for bf16 instead of 1 (tests/test_memory.py measures both)."""
+
+    def dropout(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if not training or p == 0:
+            return input
+        return torch.native_dropout(input, p, True)[0]
+
+    with mock.patch.object(torch.nn.functional, "dropout", dropout):
+        yield
 
 
 def wrap_ddp(model, args, stand_ins: list[str]):

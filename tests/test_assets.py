@@ -35,11 +35,12 @@ def test_lora_layer_bench_runs_every_variant():
 
 @pytest.mark.parametrize("run", ["gpu-4b-shape-lora-bf16", "gpu-4b-shape-qlora-nf4"])
 def test_memory_model_matches_the_committed_h100_runs(run: str, monkeypatch, capsys):
-    """The H100 runs in the single-GPU devlog: every step's measured CUDA peak within 7% of the memory model's
-    prediction for that step's batch (the devlog quotes 0.938..1.024). Those runs computed the adapters in fp32
-    (they predate models.adapters_compute_in), so they check the model's fp32_adapter_compute branch and every
-    term it shares with the bf16 one. A change to ftkit/memory.py that breaks the one-GPU prediction fails here
-    against real GPU measurements."""
+    """The H100 runs in the single-GPU devlog: every step's measured CUDA peak within 5% of the memory model's
+    prediction for that step's batch (the devlog quotes 0.956..1.046: below 1 at step 1 only, whose peak comes
+    before AdamW's state exists; above it, what CUDA allocates that the model leaves out). Those runs computed the
+    adapters in fp32 (they predate models.adapters_compute_in), so they check the model's fp32_adapter_compute
+    branch and every term it shares with the bf16 one. A change to ftkit/memory.py that breaks the one-GPU
+    prediction fails here against real GPU measurements."""
     # In this process (runpy, as `python assets/memory_check.py ...` runs it): the imports are paid once.
     monkeypatch.setattr(sys, "argv", ["memory_check.py", str(GPU_RUNS / run), "--data", "qmsum-ami", "--fp32-adapters"])
     runpy.run_path(str(ROOT / "assets" / "memory_check.py"), run_name="__main__")
@@ -48,7 +49,7 @@ def test_memory_model_matches_the_committed_h100_runs(run: str, monkeypatch, cap
     steps = json.loads((GPU_RUNS / run / "summary.json").read_text())["steps_run"]
     assert len(rows) == steps
     ratios = [float(r[-1]) for r in rows]
-    assert all(0.93 <= x <= 1.03 for x in ratios), ratios
+    assert all(0.95 <= x <= 1.05 for x in ratios), ratios
 
 
 def test_the_planners_cpu_check_is_reproduced_from_its_committed_inputs(monkeypatch, capsys):
@@ -58,3 +59,31 @@ def test_the_planners_cpu_check_is_reproduced_from_its_committed_inputs(monkeypa
     monkeypatch.setattr(sys, "argv", ["plan_cpu_check.py", "--check"])
     runpy.run_path(str(ROOT / "assets" / "plan_cpu_check.py"), run_name="__main__")
     assert "reproduced from the committed inputs" in capsys.readouterr().out
+
+
+def test_the_memory_posts_tables_are_what_the_model_predicts():
+    """blogs/what-fills-gpu-memory.md quotes assets/memory_breakdown.py's two tables: a change to the memory
+    model (or to the reference configuration) that is not carried into the post fails here."""
+    breakdown = runpy.run_path(str(ROOT / "assets" / "memory_breakdown.py"))  # not as __main__: nothing written
+    post = (ROOT / "blogs" / "what-fills-gpu-memory.md").read_text()
+    assert breakdown["table"](breakdown["rows"]()) in post
+    assert breakdown["seq_table"]() in post
+
+
+def test_the_real_scale_table_is_the_committed_runs(capsys):
+    """The table of the fake-tensor runs, as assets/real_scale_table.py prints it from devlogs/runs/realscale/, is
+    the one devlogs/runs/realscale/README.md and the memory post show."""
+    runpy.run_path(str(ROOT / "assets" / "real_scale_table.py"), run_name="__main__")
+    table = capsys.readouterr().out.strip()
+    assert table.count("\n") >= 5
+    for doc in ("devlogs/runs/realscale/README.md", "blogs/what-fills-gpu-memory.md"):
+        assert table in (ROOT / doc).read_text(), doc
+
+
+def test_the_ddp_posts_link_table_is_the_models(capsys):
+    """blogs/ddp.md's all-reduce times per link are assets/ddp_comm_model.py's, which reads the links from
+    ftkit/hardware.py, the planner's table: one PCIe figure everywhere."""
+    runpy.run_path(str(ROOT / "assets" / "ddp_comm_model.py"), run_name="__main__")
+    table = capsys.readouterr().out.split("\n\n")[0].strip()
+    assert "PCIe Gen4 x16, 31.5 GB/s" in table
+    assert table in (ROOT / "blogs" / "ddp.md").read_text()

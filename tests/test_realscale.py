@@ -15,7 +15,7 @@ import json
 import pytest
 from conftest import run_script
 
-from ftkit import realscale
+from ftkit import memory, realscale
 
 RUN = ("--technique", "fsdp", "--world", "2", "--layers", "2", "--json")
 
@@ -35,8 +35,42 @@ def test_the_run_is_the_scripts_configuration(fsdp_world2):
     assert (cfg["layers"], cfg["micro_batch_size"], cfg["max_length"], cfg["accumulation_steps"]) == (2, 2, 2048, 4)
     assert cfg["grad_checkpointing"] and cfg["lora_rank"] == 16 and cfg["lora_dropout"] == 0.05
     assert result["label"] == realscale.LABEL
-    # Nothing measured another way than the stated stand-ins (CPU device, synthetic batch, restated loop).
-    assert len(result["stand_ins"]) == 3, result["stand_ins"]
+    # Nothing measured another way than the stated stand-ins: the CPU device, the synthetic batch, the restated loop,
+    # and two CPU behaviours replaced by CUDA's (no mask for an unpadded batch; dropout's 1-byte mask).
+    assert len(result["stand_ins"]) == 5, result["stand_ins"]
+    assert any(s.startswith("no attention mask") for s in result["stand_ins"])
+    assert any(s.startswith("LoRA dropout runs as torch.native_dropout") for s in result["stand_ins"])
+
+
+def test_fewer_micro_steps_reach_the_same_peak(fsdp_world2):
+    """--micro-steps runs 2 of the 4 accumulation micro-steps: after the first, each accumulates into the same
+    gradients, so the peak is the whole step's, to the byte (it was not while the tracker's module hooks kept every
+    micro-step's embedding output alive: `realscale.no_tracker_graph_leak`)."""
+    proc = run_script("-m", "ftkit.realscale", *RUN, "--micro-steps", "2", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fewer = json.loads(proc.stdout)
+    assert fewer["config"]["micro_steps_run"] == 2 and fsdp_world2["config"]["micro_steps_run"] == 4
+    assert fewer["tracked_peak_bytes"] == fsdp_world2["tracked_peak_bytes"]
+    assert fewer["flops_counted"] == pytest.approx(fsdp_world2["flops_counted"], rel=1e-9)
+
+
+def test_one_decoder_layer_saves_what_the_model_derives_to_the_byte():
+    """Without checkpointing every layer keeps its activations, so one more layer adds exactly one layer's worth
+    to the tracked peak: at Qwen3-4B's widths, 2 x 2048 tokens, LoRA r=16 with dropout 0.05, the memory model's
+    200,200 bytes per token (FSDP2 gathers the adapters in bf16, so autocast makes no copies of them). This
+    holds only with the two CUDA stand-ins: on the CPU, a fake mask adds a saved 2 x 2048 x 2048 mask and 32-head
+    k and v per layer (16,384 B per token), and dropout's noise tensors 26,624 B per token."""
+    runs = {}
+    for layers in (1, 2):
+        argv = ("--technique", "fsdp", "--world", "2", "--layers", str(layers), "--no-grad-checkpointing", "--json")
+        proc = run_script("-m", "ftkit.realscale", *argv, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs[layers] = json.loads(proc.stdout)
+    one_layer = runs[2]["categories"]["Activation"] - runs[1]["categories"]["Activation"]
+    shape = memory.QWEN3_4B
+    tokens = 2 * 2048
+    assert one_layer == tokens * sum(memory.layer_activation_bytes(shape, act_bytes=2, lora_dropout=0.05))
+    assert runs[2]["predicted"]["activations"] - runs[1]["predicted"]["activations"] == one_layer
 
 
 def test_tracked_peak_within_10_percent_of_the_memory_model(fsdp_world2):
