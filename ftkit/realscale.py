@@ -369,7 +369,7 @@ def measure(opts: argparse.Namespace) -> dict:
                 script.clip_grads(trainable, args.max_grad_norm)
             elif technique == "tp-sp":  # tp-sp-ft also sums the replicated LoRA gradients' shares first
                 script.sync_replicated_grads(replicated, dist.group.WORLD)
-                script.clip_grads(trainable, replicated, dist.group.WORLD, args.max_grad_norm)
+                run.clip_grads_over_ranks(trainable, args.max_grad_norm, dist.group.WORLD, replicated)
             else:
                 torch.nn.utils.clip_grad_norm_(
                     trainable, args.max_grad_norm if args.max_grad_norm > 0 else float("inf")

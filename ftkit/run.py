@@ -319,9 +319,12 @@ def torchrun_local_rank() -> int:
 
 
 def share_cpu_cores(device: torch.device) -> None:
-    """On CPU the ranks of a machine share its cores instead of each taking all of them."""
+    """On CPU the ranks of a machine share its cores instead of each taking all of them. The cores are those this
+    process may run on (a Slurm job step or a container binds a subset), not all the machine has: more threads
+    than cores spin against each other while a rank waits in a collective, and a step takes 10x longer."""
     if device.type == "cpu":
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+        cores = len(os.sched_getaffinity(0))
+        torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def init_process_group(device: torch.device) -> None:
@@ -375,6 +378,30 @@ def adamw_cosine(
 
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
     return optimizer, get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
+
+
+def clip_grads_over_ranks(trainable: list, max_norm: float, group=None, replicated: tuple = ()) -> torch.Tensor:
+    """The whole model's gradient norm when each rank holds a distinct share of its trainable tensors (pipeline
+    stages, tensor-parallel slices), and the gradients clipped to `max_norm` (0: not clipped) as
+    torch.nn.utils.clip_grad_norm_ clips one model's: the shares' squares summed over the ranks (one scalar
+    all-reduce), the `replicated` tensors (whole on every rank, the same gradient) counted once. The norm stays
+    on the device: no host sync."""
+    import torch.distributed as dist
+
+    shared = {id(p) for p in replicated}
+
+    def sum_sq(params) -> torch.Tensor:
+        sq = torch.zeros((), dtype=torch.float32, device=trainable[0].device)
+        for p in params:
+            if p.grad is not None:
+                sq += p.grad.detach().float().pow(2).sum()
+        return sq
+
+    sq = sum_sq(p for p in trainable if id(p) not in shared)
+    dist.all_reduce(sq, group=group)
+    norm = (sq + sum_sq(replicated)).sqrt()
+    torch.nn.utils.clip_grads_with_norm_(trainable, max_norm if max_norm > 0 else float("inf"), norm)
+    return norm
 
 
 def load_experiment(name: str):

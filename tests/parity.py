@@ -126,9 +126,16 @@ def torchrun(
 
 
 SRUN = """#!/usr/bin/env bash
-# srun, standing in for Slurm: the job step's command once per node of the job, here as processes of this machine.
+# srun, standing in for Slurm: the job step's command once per node of the job, here as processes of this machine,
+# each "node" bound to its own share of the cores as Slurm binds a job step to its node's (with more nodes than
+# cores, nodes share one).
 while [[ $1 == -* ]]; do shift; done
-for _ in $(seq "$SLURM_JOB_NUM_NODES"); do "$@" & done
+cores=$(nproc)
+for node in $(seq 0 $((SLURM_JOB_NUM_NODES - 1))); do
+    per=$(( cores > SLURM_JOB_NUM_NODES ? cores / SLURM_JOB_NUM_NODES : 1 ))
+    first=$(( (node * per) % cores ))
+    taskset -c "$first-$((first + per - 1))" "$@" &
+done
 status=0
 for job in $(jobs -p); do wait "$job" || status=$?; done
 exit $status

@@ -5,10 +5,14 @@ inference on the adapter, and bad input refused on every rank."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import parity
 import pytest
+import torch
+
+from ftkit.run import share_cpu_cores
 
 TRAIN = "experiments/ddp-ft/train.py"
 INFER = "experiments/ddp-ft/infer.py"
@@ -71,7 +75,25 @@ def test_two_nodes_through_the_slurm_script_take_the_same_step(tmp_path_factory,
     assert parity.compare_losses(out, ref) <= parity.LOSS_TOL
     assert parity.compare_adapters(out / "adapter", ref / "adapter") <= parity.ADAPTER_TOL
     hardware = json.loads((out / "config.json").read_text())["hardware"]
-    assert (hardware["world_size"], hardware["nodes"]) == (2, 2)
+    # Each "node" is bound to one of this machine's 2 cores and runs one rank: one thread, not one per core of
+    # the machine (two 2-thread ranks on 2 cores spin against each other and take 10-40x longer per step).
+    assert (hardware["world_size"], hardware["nodes"], hardware["torch_threads"]) == (2, 2, 1)
+
+
+@pytest.mark.parametrize(("cores", "local_world", "threads"), [(2, 2, 1), (4, 2, 2), (1, 1, 1), (8, 1, 8)])
+def test_cpu_ranks_share_the_cores_they_may_run_on(monkeypatch, cores, local_world, threads):
+    """run.share_cpu_cores: the cores this process may run on (its affinity: what a Slurm job step or a container
+    binds), split among this node's ranks; a GPU run leaves the threads alone."""
+    before = torch.get_num_threads()
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world))
+    try:
+        share_cpu_cores(torch.device("cuda", 0))
+        assert torch.get_num_threads() == before
+        share_cpu_cores(torch.device("cpu"))
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

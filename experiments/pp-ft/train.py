@@ -332,15 +332,8 @@ def main() -> None:
                     schedule.step(*inputs, target=batch["target"] if has_last else None, losses=losses)
                 timer_actions.stop()
                 # Clipping needs the norm of the whole model's gradient: each rank holds its stages' share, so
-                # sum the squared norms across ranks (the same total torch.nn.utils.clip_grad_norm_ computes).
-                sq = torch.zeros((), dtype=torch.float32, device=device)
-                for p in trainable:
-                    if p.grad is not None:
-                        sq += p.grad.detach().float().pow(2).sum()
-                dist.all_reduce(sq)
-                grad_norm = sq.sqrt()
-                clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
-                torch.nn.utils.clip_grads_with_norm_(trainable, clip, grad_norm)
+                # the squared norms are summed across ranks (the same total torch.nn.utils.clip_grad_norm_ takes).
+                grad_norm = run.clip_grads_over_ranks(trainable, args.max_grad_norm)
                 optimizer.step()
                 lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
                 scheduler.step()

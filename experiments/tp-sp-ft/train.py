@@ -285,20 +285,6 @@ def collective_theory(config, args, rows: list[dict], replicated_bytes: int) -> 
     }
 
 
-def clip_grads(trainable, replicated, group, max_norm: float) -> torch.Tensor:
-    """The global gradient norm, and the gradients clipped to `max_norm` (0: not clipped): the replicated tensors
-    count once, the sharded ones' squares are summed over ranks (one scalar all-reduce)."""
-
-    def sum_sq(params) -> torch.Tensor:
-        return sum((p.grad.float() ** 2).sum() for p in params)
-
-    sharded = sum_sq(p for p in trainable if all(p is not q for q in replicated))
-    dist.all_reduce(sharded, group=group)
-    norm = (sharded + sum_sq(replicated)).sqrt()
-    torch.nn.utils.clip_grads_with_norm_(trainable, max_norm if max_norm > 0 else float("inf"), norm)
-    return norm
-
-
 def full_lora(model, group, grads: bool = False) -> dict[str, torch.Tensor]:
     """The whole adapter (or its gradient) under PEFT's names for the unsharded model: the sharded tensors are
     all-gathered and concatenated along the dim they were split on (B's rows of a column layer, A's columns of a
@@ -415,8 +401,9 @@ def main() -> None:
                     sync_replicated_grads(replicated, group)
                 if args.dump_grads and step == 2:
                     run.dump_grads(full_lora(model, group, grads=True), run_dir, rank)
-                # The global norm's one scalar all-reduce is outside the accounting, like the metrics' own.
-                grad_norm = clip_grads(trainable, replicated, group, args.max_grad_norm)
+                # The global norm: the sharded tensors' squares summed over ranks, the replicated ones counted once.
+                # Its one scalar all-reduce is outside the accounting, like the metrics' own.
+                grad_norm = run.clip_grads_over_ranks(trainable, args.max_grad_norm, group, replicated)
                 optimizer.step()
                 lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
                 scheduler.step()
