@@ -250,6 +250,23 @@ def layer_activation_bytes(
     return hidden_part, sharded
 
 
+def layer_saved_bytes(
+    shape: ModelShape, tokens: int, *, tp: int = 1, sequence_parallel: bool = False, **layer: Any
+) -> float:
+    """Bytes one decoder layer saves for backward on one rank, for `tokens` tokens of the whole sequence:
+    `layer_activation_bytes` (its keyword arguments in `layer`), the sharded part split by tp. Sequence parallelism
+    runs the norms on this rank's tokens, so their saved inputs are split by tp too; each block's LoRA A then saves
+    the all-gathered input it reads, whole on every rank, as tp-sp-ft's linears do. (Megatron-LM saves a column
+    linear's local shard instead and all-gathers it again in backward, Korthikanti et al. 2022, Sec. 4.2.2, which
+    would split the whole hidden part.)"""
+    hidden_part, sharded_part = layer_activation_bytes(shape, **layer)
+    norms = 2 * FP32 * (shape.hidden + 1)  # input_layernorm, post_attention_layernorm: fp32 input and 1/rms
+    if layer.get("full_finetune"):
+        norms += 2 * layer["act_bytes"] * shape.hidden  # and the normalised inputs their trainable weights save
+    sp = tp if sequence_parallel else 1
+    return tokens * (norms / sp + hidden_part - norms + sharded_part / tp)
+
+
 @dataclass(frozen=True)
 class MemoryPrediction:
     """Predicted bytes on the busiest GPU, by component."""
@@ -330,8 +347,9 @@ def predict(
     - FSDP2: at peak the current layer and the prefetched next one are unsharded (all layers with
       reshard_after_forward=False), and the root unit (embeddings, final norm) stays unsharded throughout,
       FSDP2's default for the root module.
-    - Sequence parallelism splits every saved activation by tp, Korthikanti et al.'s 34sbh/t: tensors are
-      saved sequence-sharded and all-gathered again in backward.
+    - Sequence parallelism (tp-sp-ft's) splits the norms' saved inputs by tp, and the layer input checkpointing
+      keeps; the LoRA inputs inside the blocks are the all-gathered sequence, saved whole. (Megatron-LM saves
+      them sequence-sharded and all-gathers again in backward: Korthikanti et al.'s 34sbh/t.)
     - PP: GPipe keeps all m micro-batches in flight on every stage; 1F1B keeps min(m, p - k) on stage k, so
       min(m, p) on the first and 1 on the last. num_microbatches (m) defaults to pp.
     - Every layer is counted alike, though layer 0 saves a little less: its input, the frozen embedding's
@@ -369,8 +387,11 @@ def predict(
     layer_weights = shape.linear_params() / tp * linear_bytes + shape.norm_params() * other_bytes
     layer_lora = 0 if full_finetune else lora_params(shape, lora_rank, lora_targets, tp) // shape.layers
     tokens = micro_batch_size * seq_len
-    hidden_part, sharded_part = layer_activation_bytes(
+    layer_acts = layer_saved_bytes(
         shape,
+        tokens,
+        tp=tp,
+        sequence_parallel=sequence_parallel,
         act_bytes=act,
         lora_targets=lora_targets,
         lora_rank=lora_rank,
@@ -379,7 +400,6 @@ def predict(
         fp32_adapter_compute=fp32_adapter_compute,
     )
     sp = tp if sequence_parallel else 1
-    layer_acts = tokens * (hidden_part / sp + sharded_part / tp)
     # The bf16 copies autocast makes of a layer's fp32 adapter weights, saved by its LoRA matmuls (FSDP gathers
     # the adapters in param_dtype instead: in `gathered`). They live while autocast caches them or backward
     # needs them: one recomputed layer's with checkpointing, every layer's without; around pp's schedule.step

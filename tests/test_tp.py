@@ -18,7 +18,7 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from ftkit import data, models
-from ftkit.memory import ModelShape, layer_activation_bytes
+from ftkit.memory import ModelShape, layer_saved_bytes
 from ftkit.run import RunError, check_tp_degree
 
 TP_TRAIN, TP_INFER = "experiments/tp-ft/train.py", "experiments/tp-ft/infer.py"
@@ -272,10 +272,10 @@ def test_tp_degree_refused_before_the_model_loads(script, tmp_path, data_dir, mo
 
 def test_sequence_parallel_divides_the_norm_activations_by_the_tp_degree(sp, megatron_tp):
     """Per-rank bytes autograd saves in decoder layer 1 on the first micro-batch (both runs see the same one).
-    The memory model (ftkit/memory.py, layer_activation_bytes) has each RMSNorm save its fp32 input and 1/rms,
-    4(h + 1) bytes per token, and `predict(technique="tp-sp")` divides that part by the TP degree: measured,
-    to the byte. Everything else this layer saves is the same with and without SP (attention and the LoRA
-    inputs see the whole sequence after the all-gather), so the layer saves less by exactly the norms' share."""
+    Each RMSNorm saves its fp32 input and 1/rms, 4(h + 1) bytes per token, and SP divides that part by the TP
+    degree: measured, to the byte. Everything else this layer saves is the same with and without SP (attention
+    and the LoRA inputs see the whole sequence after the all-gather), so the layer saves less by exactly the
+    norms' share."""
     h, tp = 128, 2
     sp_m = json.loads((sp.run_dir / "summary.json").read_text())["activations_measured"]
     tp_m = json.loads((megatron_tp.run_dir / "summary.json").read_text())["activations_measured"]
@@ -283,14 +283,15 @@ def test_sequence_parallel_divides_the_norm_activations_by_the_tp_degree(sp, meg
     for m in (sp_m, tp_m):
         assert m["norms"] == m["tokens"] * 2 * 4 * (h + 1)
     assert tp_m["layer"] - sp_m["layer"] == tp_m["norms"] - sp_m["norms"]
-    # Against the memory model's whole layer: predict(technique="tp-sp") divides all of the hidden part by N, as
-    # Megatron does by saving a column linear's local input and gathering it again in backward; this script's
-    # LoRA A keeps the gathered input, so it saves the non-norm half of the hidden part on top of the model.
-    hidden, sharded = layer_activation_bytes(ModelShape.from_config(models.TINY_CONFIG), act_bytes=4, lora_rank=16)
-    tokens = tp_m["tokens"]
-    tp_extra = tp_m["layer"] - tokens * (hidden + sharded / tp)
-    sp_extra = sp_m["layer"] - tokens * (hidden / tp + sharded / tp)
-    assert sp_extra == tp_extra + tokens * (hidden - 2 * 4 * (h + 1)) / tp
+    # The memory model's layer (ftkit/memory.py, layer_saved_bytes, which predict() counts) saves less under SP by
+    # the same bytes: the norms' part alone, the gathered inputs the LoRA A's save kept whole. (Megatron-LM's SP,
+    # saving the local shard and gathering it again in backward, would save less by the whole hidden part.)
+    shape, tokens = ModelShape.from_config(models.TINY_CONFIG), tp_m["tokens"]
+    model = {
+        sp_on: layer_saved_bytes(shape, tokens, tp=tp, sequence_parallel=sp_on, act_bytes=4, lora_rank=16)
+        for sp_on in (False, True)
+    }
+    assert tp_m["layer"] - sp_m["layer"] == model[False] - model[True]
     print(
         f"layer 1 per rank: TP {tp_m['layer']:,} B, TP+SP {sp_m['layer']:,} B; "
         f"norms {tp_m['norms']:,} -> {sp_m['norms']:,}"
