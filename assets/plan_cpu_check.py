@@ -142,12 +142,7 @@ def predict(summary: dict, technique: str, mesh: dict[str, int], cal: dict, mfu:
         link=gloo,
         inter_node_link=gloo,
         memory_bytes=cpu.memory_bytes,
-        batch_size=c["batch_size"],
-        micro_batch_size=c["micro_batch_size"],
-        max_length=c["max_length"],
-        lora_rank=c["lora_rank"],
-        lora_dropout=c["lora_dropout"],
-        grad_checkpointing=c["grad_checkpointing"],
+        **plan.run_flags(c),
         mfu=mfu,
         link_efficiency=1.0,
     )

@@ -132,6 +132,23 @@ class Setting:
         return self.gpus // self.nodes
 
 
+# The Setting fields a run records under the same names (config.json's and summary.json's "config").
+RUN_FLAGS = (
+    "batch_size",
+    "micro_batch_size",
+    "max_length",
+    "answer_tokens",
+    "lora_rank",
+    "lora_dropout",
+    "grad_checkpointing",
+)
+
+
+def run_flags(config: dict) -> dict:
+    """A run's recorded configuration as Setting fields: those of RUN_FLAGS it has."""
+    return {k: config[k] for k in RUN_FLAGS if k in config}
+
+
 def model_config(name: str) -> SimpleNamespace:
     """The config keys of a Qwen3 model: from the table above, else its config.json (hub id or local path)."""
     if name in QWEN3_CONFIGS:

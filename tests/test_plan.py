@@ -43,16 +43,7 @@ def test_there_are_tracked_runs_to_check_against():
 def test_the_planners_memory_is_the_one_checked_at_real_scale_and_its_margin_covers_the_tracked_peak(path):
     r = json.loads(path.read_text())
     c = r["config"]
-    s = setting(
-        gpus=r["world_size"],
-        batch_size=c["batch_size"],
-        micro_batch_size=c["micro_batch_size"],
-        max_length=c["max_length"],
-        answer_tokens=c["answer_tokens"],
-        lora_rank=c["lora_rank"],
-        lora_dropout=c["lora_dropout"],
-        grad_checkpointing=c["grad_checkpointing"],
-    )
+    s = setting(gpus=r["world_size"], **plan.run_flags(c))
     mesh = {"single": {}, "ddp": {"dp": r["world_size"]}, "fsdp": {"dp": r["world_size"]}}.get(
         r["technique"], {"tp": r["world_size"]}
     )
