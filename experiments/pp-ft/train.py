@@ -399,8 +399,9 @@ def main() -> None:
         ),
         note=metrics.memory_note(device, "(predicted: the busiest stage; beyond 1F1B: GPipe's, an upper bound) "),
         **metrics.bubble_summary(rows, world, theory, order, timeline),
-        # Each micro-batch crosses every stage boundary once forward (activations) and once backward (their
-        # gradients): micro x --max-length x hidden x bytes, 2 (stages - 1) m times per step.
+        # Each micro-batch crosses every boundary between ranks once forward (activations) and once backward
+        # (their gradients): micro x --max-length x hidden x bytes, 2 (stages - 1) m times per step (fewer on
+        # the V schedules, whose middle boundary lies inside one rank).
         activation_bytes_per_microbatch=args.micro_batch_size * args.max_length * config.hidden_size * dtype.itemsize,
         **comm.summarize(rows),
         comm_note="per optimizer step, all ranks together: the point-to-point sends between stages (activations "
