@@ -87,7 +87,7 @@ def tables(summaries: dict[str, dict], firsts: dict[str, float | None], parity: 
         "tokens/s (median)",
         "step time s (median)",
     ]
-    head += ["MFU (median)", "peak memory (measured)", "memory model total"]
+    head += ["MFU (median)", "peak memory (measured)", "memory model total (when run)"]
     if comm:
         head += ["comm bytes/step", "collectives/step"]
     comm_tp = any("comm_tp_bytes_per_step" in s for s in summaries.values())
@@ -134,6 +134,10 @@ def tables(summaries: dict[str, dict], firsts: dict[str, float | None], parity: 
         setups.setdefault(f"{versions}. Platform: {s['hardware']['platform']}.", []).append(f"`{n}`")
     for setup, runs in setups.items():
         out += f"\n\nSoftware ({'every run' if len(setups) == 1 else ', '.join(runs)}): {setup}"
+    out += (
+        "\n\n`memory model total (when run)`: the prediction each run's summary recorded, by `ftkit/memory.py` as it"
+        " was at the run's commit; the model has been revised since (see devlogs/runs/realscale/README.md)."
+    )
     return out
 
 

@@ -38,12 +38,12 @@ QLORA_REFUSAL = (
     "--qlora: a 4-bit base does not shard with FSDP2 here. FSDP2 cuts every parameter into N pieces along dim 0, "
     "but a bitsandbytes Params4bit stores two 4-bit values per uint8 byte, flattened, and keeps its quantization "
     "state (absmax per 64-value block, the NF4 code, the original shape) beside the tensor: the chunks are plain "
-    "tensors without it, so the layer dequantizes the wrong values (the weights are silently corrupted after the "
-    "first step, measured in the devlog). What it takes: bnb_4bit_quant_storage=torch.bfloat16 so the packed "
-    "storage is a float tensor FSDP can flatten, with FSDP1(use_orig_params=True) and bitsandbytes' FSDP support "
-    "on CUDA; or keep the 4-bit base replicated (fully_shard(..., ignored_params=<the 4-bit weights>)) and shard "
-    "only the adapters - in 4 bits the linear layers take about a quarter of their bf16 bytes, so replicating "
-    "them is often the better deal. Use experiments/ddp-ft for QLoRA, or this script for LoRA on a bf16 base."
+    "tensors without it, so the layer would dequantize the wrong values. What it takes: "
+    "bnb_4bit_quant_storage=torch.bfloat16 so the packed storage is a float tensor FSDP can flatten, with "
+    "FSDP1(use_orig_params=True) and bitsandbytes' FSDP support on CUDA; or keep the 4-bit base replicated "
+    "(fully_shard(..., ignored_params=<the 4-bit weights>)) and shard only the adapters - in 4 bits the linear "
+    "layers take about a quarter of their bf16 bytes, so replicating them is often the better deal. Use "
+    "experiments/ddp-ft for QLoRA, or this script for LoRA on a bf16 base."
 )
 
 
