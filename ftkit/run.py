@@ -323,7 +323,8 @@ def share_cpu_cores(device: torch.device) -> None:
     process may run on (a Slurm job step or a container binds a subset), not all the machine has: more threads
     than cores spin against each other while a rank waits in a collective, and a step takes 10x longer."""
     if device.type == "cpu":
-        cores = len(os.sched_getaffinity(0))
+        affinity = getattr(os, "sched_getaffinity", None)  # Linux; elsewhere every core counts
+        cores = len(affinity(0)) if affinity else (os.cpu_count() or 1)
         torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
