@@ -29,7 +29,8 @@ Not modelled: the CUDA context and NCCL buffers, allocator fragmentation, transi
 (the dequantized 4-bit weight during a matmul, unsharded gradients and all-reduce/reduce-scatter buffers), a
 padding attention mask (with one, transformers builds a 4-D mask, which each layer's SDPA saves, and repeats k
 and v to every head), and whatever CUDA's kernels allocate for themselves: on the committed H100 runs the CUDA
-peak is 0-8% above `total` (devlogs/single-gpu-ft.md).
+peak is 0.4-4.6% above `total` from step 2 on (devlogs/single-gpu-ft.md). Under tensor parallelism at long
+sequences the first layer's backward holds 19-23 KB per token more than counted here (devlogs/runs/realscale).
 """
 
 from __future__ import annotations
