@@ -28,8 +28,10 @@ if [ "${CPU:-1}" = 1 ]; then
     run cpu-smoke-qlora-no-checkpointing --smoke --no-grad-checkpointing
 fi
 if [ "${GPU:-0}" = 1 ]; then
-    # Random init with Qwen3-4B's exact config (no download). QLoRA runs 10 steps (warmup 3) so that both runs fit
-    # one 10-minute job on a lent GPU; the per-step rows are what the devlog reads.
+    # Random init with Qwen3-4B's exact config (no download; about 3 minutes on the host CPU per run). QLoRA runs
+    # 10 steps (warmup 3) to keep each run inside a 10-minute job on a lent GPU; the per-step rows are what the
+    # devlog reads. (The runs with fp32 adapter compute, `*-fp32-adapters`, came from this script before
+    # models.adapters_compute_in; memory_check.py checks them with --fp32-adapters.)
     run gpu-4b-shape-lora-bf16 --model qwen3-4b-shape --quant none --max-steps 20 --eval-every 1000 --save-every 1000
     run gpu-4b-shape-qlora-nf4 --model qwen3-4b-shape --max-steps 10 --warmup-steps 3 --eval-every 1000 \
         --save-every 1000
@@ -41,6 +43,8 @@ if [ "${GPU:-0}" = 1 ]; then
         --quant none --max-steps 3 --eval-every 1000 --save-every 1000 --profile-steps 2:2
     cp "$prof"/profile/ops-rank0-steps2-2.txt $extra/profile-lora-bf16-step2-ops.txt
     cp "$prof"/metrics.jsonl $extra/profile-lora-bf16-metrics.jsonl
+    # What the GPU allocates beyond the memory model: a step's peak with 1, 2 and 4 of Qwen3-4B's decoder layers.
+    $PY assets/gpu_memory_layers.py --layers 1 2 4 >$extra/gpu-memory-layers.jsonl
     # What the adapters cost in one decoder layer, by the dtype they compute in.
     $PY assets/lora_layer_bench.py >$extra/lora-layer-bench-dropout0.05.jsonl
     $PY assets/lora_layer_bench.py --lora-dropout 0 >$extra/lora-layer-bench-dropout0.jsonl

@@ -12,6 +12,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_RUNS = ROOT / "devlogs" / "runs" / "single-gpu-ft"
+GPU_EXTRA = ROOT / "devlogs" / "runs" / "single-gpu-ft-gpu"
 
 
 def run_asset(*args: str) -> str:
@@ -33,16 +34,24 @@ def test_lora_layer_bench_runs_every_variant():
     assert all(row["ms_fwd_bwd"] > 0 for row in rows.values())
 
 
-@pytest.mark.parametrize("run", ["gpu-4b-shape-lora-bf16", "gpu-4b-shape-qlora-nf4"])
-def test_memory_model_matches_the_committed_h100_runs(run: str, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "run, flags",
+    [
+        ("gpu-4b-shape-lora-bf16", []),
+        ("gpu-4b-shape-qlora-nf4", []),
+        ("gpu-4b-shape-lora-bf16-fp32-adapters", ["--fp32-adapters"]),
+        ("gpu-4b-shape-qlora-nf4-fp32-adapters", ["--fp32-adapters"]),
+    ],
+)
+def test_memory_model_matches_the_committed_h100_runs(run: str, flags: list[str], monkeypatch, capsys):
     """The H100 runs in the single-GPU devlog: every step's measured CUDA peak within 5% of the memory model's
-    prediction for that step's batch (the devlog quotes 0.956..1.046: below 1 at step 1 only, whose peak comes
-    before AdamW's state exists; above it, what CUDA allocates that the model leaves out). Those runs computed the
-    adapters in fp32 (they predate models.adapters_compute_in), so they check the model's fp32_adapter_compute
-    branch and every term it shares with the bf16 one. A change to ftkit/memory.py that breaks the one-GPU
-    prediction fails here against real GPU measurements."""
+    prediction for that step's batch (the devlog quotes 0.958..1.032 for the runs with bf16 adapter compute,
+    0.956..1.046 for the earlier ones with fp32 adapters: below 1 at step 1 only, whose peak comes before AdamW's
+    state exists; above it, what CUDA allocates that the model leaves out). The `-fp32-adapters` runs predate
+    models.adapters_compute_in and check the model's fp32_adapter_compute branch. A change to ftkit/memory.py
+    that breaks the one-GPU prediction fails here against real GPU measurements."""
     # In this process (runpy, as `python assets/memory_check.py ...` runs it): the imports are paid once.
-    monkeypatch.setattr(sys, "argv", ["memory_check.py", str(GPU_RUNS / run), "--data", "qmsum-ami", "--fp32-adapters"])
+    monkeypatch.setattr(sys, "argv", ["memory_check.py", str(GPU_RUNS / run), "--data", "qmsum-ami", *flags])
     runpy.run_path(str(ROOT / "assets" / "memory_check.py"), run_name="__main__")
     table = capsys.readouterr().out
     rows = [line.split("|")[1:-1] for line in table.splitlines()[2:]]
@@ -87,3 +96,32 @@ def test_the_ddp_posts_link_table_is_the_models(capsys):
     table = capsys.readouterr().out.split("\n\n")[0].strip()
     assert "PCIe Gen4 x16, 31.5 GB/s" in table
     assert table in (ROOT / "blogs" / "ddp.md").read_text()
+
+
+def test_each_decoder_layer_costs_on_the_h100_what_the_memory_model_says():
+    """devlogs/runs/single-gpu-ft-gpu/gpu-memory-layers.jsonl (assets/gpu_memory_layers.py on an H100): the
+    step's CUDA peak at Qwen3-4B's widths with 1, 2 and 4 decoder layers, padded and not. What one more layer adds
+    must be what the memory model says a layer adds (to 0.5%), and the model must stay a floor under each peak,
+    less than 150 MiB below it: what CUDA adds is a constant of the step, not a per-layer term (the devlog says
+    what it is: 64-66 MiB, 72 MiB more with a padded row)."""
+    from ftkit import metrics, models, realscale, run
+
+    args = realscale.script_args(run.load_experiment("single-gpu-ft"), realscale.parse_args(["--technique", "single"]))
+    rows = [json.loads(line) for line in (GPU_EXTRA / "gpu-memory-layers.jsonl").read_text().splitlines()]
+    runs = [r for r in rows if "layers" in r]
+    assert {(r["layers"], r["padded"]) for r in runs} == {(n, p) for n in (1, 2, 4) for p in (False, True)}
+
+    def predicted(layers: int, k: int) -> int:
+        config = models.model_config(models.QWEN3_4B_SHAPE, vocab_size=None)
+        config.num_hidden_layers = layers
+        return metrics.predicted_memory(config, args, "single", quant="none", logit_positions=k)["total"]
+
+    for r in runs:
+        assert r["width"] == args.max_length
+        model = predicted(r["layers"], r["answer_positions"])
+        assert 0 <= r["peak_bytes"] - model <= 150 * 2**20, r
+    for padded in (False, True):
+        by = {r["layers"]: r for r in runs if r["padded"] == padded}
+        measured = (by[4]["peak_bytes"] - by[1]["peak_bytes"]) / 3
+        model = (predicted(4, 200) - predicted(1, 200)) / 3
+        assert measured == pytest.approx(model, rel=0.005), padded
