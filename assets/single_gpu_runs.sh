@@ -45,6 +45,9 @@ if [ "${GPU:-0}" = 1 ]; then
     cp "$prof"/metrics.jsonl $extra/profile-lora-bf16-metrics.jsonl
     # What the GPU allocates beyond the memory model: a step's peak with 1, 2 and 4 of Qwen3-4B's decoder layers.
     $PY assets/gpu_memory_layers.py --layers 1 2 4 >$extra/gpu-memory-layers.jsonl
+    # ... and without cuBLAS's workspace, which the allocator counts.
+    CUBLAS_WORKSPACE_CONFIG=:0:0 $PY assets/gpu_memory_layers.py --layers 1 2 \
+        >$extra/gpu-memory-layers-cublas-workspace-0.jsonl
     # What the adapters cost in one decoder layer, by the dtype they compute in.
     $PY assets/lora_layer_bench.py >$extra/lora-layer-bench-dropout0.05.jsonl
     $PY assets/lora_layer_bench.py --lora-dropout 0 >$extra/lora-layer-bench-dropout0.jsonl

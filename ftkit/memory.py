@@ -28,10 +28,10 @@ is what torch's memory trackers count, to the byte.
 Not modelled: the CUDA context and NCCL buffers, allocator fragmentation, transients outside those two peaks
 (the dequantized 4-bit weight during a matmul, unsharded gradients and all-reduce/reduce-scatter buffers), a
 padding attention mask (with one, transformers builds a 4-D mask and repeats k and v to every head: on an H100,
-72 MiB more at the peak at 2 x 2048, whatever the layer count), and whatever CUDA allocates for itself (64-66 MiB
-on an H100, also independent of the layers): on the committed H100 runs the CUDA peak is 0.5-3.2% above `total`
-from step 2 on (devlogs/single-gpu-ft.md). Under tensor parallelism at long
-sequences the first layer's backward holds 19-23 KB per token more than counted here (devlogs/runs/realscale).
+72 MiB more at the peak at 2 x 2048, whatever the layer count), and what CUDA's libraries allocate for themselves
+(on an H100, cuBLAS's 64 MiB workspace): on the committed H100 runs the CUDA peak is 0.5-3.2% above `total` from
+step 2 on (devlogs/single-gpu-ft.md). Under tensor parallelism at long sequences the first layer's backward holds
+19-23 KB per token more than counted here (devlogs/runs/realscale).
 """
 
 from __future__ import annotations
