@@ -46,7 +46,7 @@ LABEL = (
     "tracked on fake tensors at Qwen3-4B's shape; excludes the CUDA context, NCCL buffers and allocator fragmentation"
 )
 # The answer positions per sequence of the synthetic batch (the lm_head runs on those only): the most the
-# committed H100 runs on AMI met in a micro-batch was 191 (devlogs/runs/single-gpu-ft-gpu/memory-check-*.md).
+# committed H100 runs on AMI met in a micro-batch was 200 (devlogs/runs/single-gpu-ft-gpu/memory-check-*.md).
 ANSWER_TOKENS = 256
 # The common flags this command passes on to the script's own parser (a flag not given takes the script's default).
 PASSED_ON = ("micro_batch_size", "max_length", "batch_size", "lora_rank", "lora_alpha", "lora_dropout")
