@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from ftkit import comm, data, metrics, models, run
 from ftkit.profiling import StepProfiler
 
-tp_ft = run.load_experiment("tp-ft")  # its lora_aware_plan and all_reduce_theory
+tp_ft = run.load_experiment("tp-ft")  # its lora_aware_plan
 
 
 def parse_args():
@@ -245,7 +245,7 @@ def main() -> None:
         # gradients reduce-scattered once, in fp32. On `tp`, tp-ft's all-reduces on this TP group's micro-batches.
         theory_all_gather_bytes=accum * (all_bytes + layer_bytes) if dp > 1 else 0,  # a group of one sends nothing
         theory_reduce_scatter_bytes=lora_slice * 4 if dp > 1 else 0,
-        theory_comm_tp_bytes_per_step=tp_ft.all_reduce_theory(config, args, log.rows, "comm_tp") if tp > 1 else 0,
+        theory_comm_tp_bytes_per_step=comm.tp_all_reduce_theory(config, args, log.rows, "comm_tp") if tp > 1 else 0,
         **comm.summarize(log.rows),
         **comm.summarize(log.rows, key="comm_tp"),
         comm_note="`comm` (dp): FSDP2's all-gathers and reduce-scatters per optimizer step on rank 0's FSDP group, "

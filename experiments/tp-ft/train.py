@@ -97,20 +97,6 @@ def clip_grads(trainable: list[torch.nn.Parameter], max_norm: float) -> torch.Te
     return norm
 
 
-def all_reduce_theory(config, args, rows: list[dict], key: str = "comm") -> float:
-    """Bytes per sampled step that this plan's all-reduces send, from each sampled step's activation bytes (rows
-    with a `key` entry). Per micro-batch and layer: forward, o_proj's and down_proj's partial outputs and those of
-    their lora_A (rank r: r/hidden of an activation); backward, the input gradients of the five column modules and
-    their lora_B, less layer 0's q/k/v (no gradient flows into the frozen embedding); checkpointing repeats the
-    forward ones and makes the embedding's output require grad (transformers' enable_input_require_grads), so
-    layer 0's q/k/v send too."""
-    layers, forward = config.num_hidden_layers, 2 * (2 if args.grad_checkpointing else 1)
-    backward = 5 * layers - (0 if args.grad_checkpointing else 3)
-    per_activation = forward * layers + backward + (forward * layers + 5 * layers) * args.lora_rank / config.hidden_size
-    sampled = [r["activation_bytes"] for r in rows if key in r]
-    return per_activation * sum(sampled) / max(1, len(sampled))
-
-
 def full_lora(model, grads: bool = False) -> dict[str, torch.Tensor]:
     """The whole adapter (or its gradient) under PEFT's names: DTensor shards gathered with `full_tensor()`,
     replicated tensors as they are. Every rank takes part; the result is the same on every rank."""
@@ -276,8 +262,8 @@ def main() -> None:
         note=metrics.memory_note(device),
         # Theory: RowwiseParallel all-reduces the partial outputs of o_proj and down_proj (and of their lora_A) in
         # forward; every ColwiseParallel module all-reduces the gradient of its own replicated input in backward:
-        # q, k, v, gate, up (and their lora_B), one each (`all_reduce_theory`).
-        theory_comm_bytes_per_step=all_reduce_theory(config, args, log.rows),
+        # q, k, v, gate, up (and their lora_B), one each (`comm.tp_all_reduce_theory`).
+        theory_comm_bytes_per_step=comm.tp_all_reduce_theory(config, args, log.rows),
         **comm.summarize(log.rows),
         comm_note="per optimizer step, every functional collective DTensor issued in forward and backward "
         "(ftkit/comm.py recording_functional): bytes of the all-reduced tensors; time_s is issue time only "

@@ -261,30 +261,6 @@ def sync_replicated_grads(params: list[torch.nn.Parameter], group) -> None:
         p.grad.copy_(g.view_as(p.grad))
 
 
-def collective_theory(config, args, rows: list[dict], replicated_bytes: int) -> dict[str, float]:
-    """Bytes per optimizer step of each collective kind, from each step's `activation_bytes` ([micro, seq, hidden]
-    summed over its micro-batches; the mean over the steps). Each decoder layer's two blocks enter with f (an
-    all-reduce of the input gradient in backward) or SP's all-gather (a reduce-scatter in backward) and leave with
-    g (an all-reduce in forward) or SP's reduce-scatter (an all-gather in backward), on one activation each
-    (Korthikanti et al. 2022, Sec. 4.2.2). Layer 0's attention gets no input gradient: the frozen embedding's
-    output needs none. Checkpointing changes three things: the recompute repeats the entries and the attention's
-    exit, but stops before the MLP's exit, whose output nothing saves (torch.utils.checkpoint's early stop); and
-    transformers makes the embedding output require grad, so layer 0's attention and (SP) the scatter into the
-    sequence-parallel region send their backward too. SP also all-gathers the final norm's output for the lm_head.
-    Plus one all-reduce of the replicated LoRA gradients."""
-    layers, recompute = config.num_hidden_layers, int(args.grad_checkpointing)
-    entries_forward, entries_backward = 2 * layers * (1 + recompute), 2 * layers - 1 + recompute
-    exits_forward, exits_backward = 2 * layers + layers * recompute, 2 * layers
-    act = sum(r["activation_bytes"] for r in rows) / max(1, len(rows))
-    if not args.sequence_parallel:
-        return {"all_reduce": (exits_forward + entries_backward) * act + replicated_bytes}
-    return {
-        "all_gather": (entries_forward + exits_backward + 1 + recompute) * act,
-        "reduce_scatter": (exits_forward + entries_backward) * act,
-        "all_reduce": float(replicated_bytes),
-    }
-
-
 def full_lora(model, group, grads: bool = False) -> dict[str, torch.Tensor]:
     """The whole adapter (or its gradient) under PEFT's names for the unsharded model: the sharded tensors are
     all-gathered and concatenated along the dim they were split on (B's rows of a column layer, A's columns of a
@@ -448,7 +424,7 @@ def main() -> None:
         note=metrics.memory_note(device),
         sequence_parallel=args.sequence_parallel,
         replicated_lora_grad_bytes=replicated_bytes,
-        theory_comm_by_kind_per_step=(theory := collective_theory(config, args, log.rows, replicated_bytes)),
+        theory_comm_by_kind_per_step=(theory := comm.tp_sp_collective_theory(config, args, log.rows, replicated_bytes)),
         theory_comm_bytes_per_step=sum(theory.values()),
         **comm.summarize(log.rows),
         comm_note="per optimizer step, every torch.distributed collective inside the step (ftkit/comm.py): "
