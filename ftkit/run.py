@@ -405,6 +405,19 @@ def clip_grads_over_ranks(trainable: list, max_norm: float, group=None, replicat
     return norm
 
 
+def gather_split(t: torch.Tensor, dim: int | None, group=None) -> torch.Tensor:
+    """The whole tensor of which each rank of `group` holds one equal part along `dim` (hand-rolled tensor
+    parallelism's slices): the parts all-gathered and concatenated in rank order, the same on every rank; every
+    rank takes part. `dim` None: `t` is whole on every rank already, and is returned as it is."""
+    import torch.distributed as dist
+
+    if dim is None:
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
+
+
 def load_experiment(name: str):
     """experiments/<name>/train.py as a module, so that another script (or ftkit.realscale) runs its own functions:
     one TP plan for tp-ft and fsdp-tp-ft, not a copy. Needs a repository checkout."""

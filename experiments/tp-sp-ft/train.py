@@ -264,19 +264,13 @@ def sync_replicated_grads(params: list[torch.nn.Parameter], group) -> None:
 def full_lora(model, group, grads: bool = False) -> dict[str, torch.Tensor]:
     """The whole adapter (or its gradient) under PEFT's names for the unsharded model: the sharded tensors are
     all-gathered and concatenated along the dim they were split on (B's rows of a column layer, A's columns of a
-    row layer). Every rank takes part; the result is the same on every rank."""
-    tp = dist.get_world_size(group)
+    row layer; `run.gather_split`). Every rank takes part; the result is the same on every rank."""
     out = {}
     for name, m in parallel_linears(model):
-        key = f"{name}.lora_{{}}.weight"
         for which in ("A", "B"):
             p = getattr(m, f"lora_{which}")
-            t = (p.grad if grads else p).detach()
-            if m.split[which] is not None:
-                parts = [torch.empty_like(t) for _ in range(tp)]
-                dist.all_gather(parts, t.contiguous(), group=group)
-                t = torch.cat(parts, dim=m.split[which])
-            out[key.format(which)] = t.cpu().contiguous()
+            t = run.gather_split((p.grad if grads else p).detach(), m.split[which], group)
+            out[f"{name}.lora_{which}.weight"] = t.cpu().contiguous()
     return out
 
 
@@ -328,7 +322,7 @@ def main() -> None:
     counts = models.parameter_counts(model)
     run.print0(f"parameters on this rank: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
     replicated = replicated_lora(model)
-    replicated_bytes = sum(p.numel() * p.element_size() for p in replicated)
+    replicated_bytes = comm.nbytes(replicated)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = run.adamw_cosine(trainable, args)
