@@ -340,6 +340,25 @@ def init_process_group(device: torch.device) -> None:
         dist.init_process_group("gloo")
 
 
+def start_ranks(args: argparse.Namespace, tp: int | None = None) -> tuple[torch.device, dict]:
+    """A torchrun process (one per GPU) up to its process group, in the order that keeps the group's timeout away:
+    this rank's device (on CPU, its share of the cores); the model's files downloaded (~8 GB of weights on a first
+    run) before the group exists, so that no rank waits in a collective meanwhile, where NCCL's 10-minute timeout
+    would end the run; with `tp`, a tensor-parallel degree that does not deal out whole heads refused from the
+    config (`check_tp_degree`), on every rank alike, before the data, the group or any weight; the data splits
+    (a hub dataset downloads too); then the group (`init_process_group`). Returns (device, splits)."""
+    from ftkit import data, models
+
+    device = device_for(args, torchrun_local_rank())
+    share_cpu_cores(device)
+    models.fetch(args.model)
+    if tp is not None:
+        check_tp_degree(models.model_config(args.model), tp)
+    splits = data.load_splits(args.data, args.data_revision)
+    init_process_group(device)
+    return device, splits
+
+
 def launch(main) -> None:
     """Run a train.py's `main`: a RunError/DataError/CheckpointError ends it with its message and exit code 2, not
     a traceback. Then destroy the process group, if one is up, and leave without running the C++ static

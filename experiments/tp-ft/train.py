@@ -112,18 +112,9 @@ def full_lora(model, grads: bool = False) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     args = parse_args()
-    # ---- process group: one process per GPU; all of them form one tensor-parallel group.
-    device = run.device_for(args, run.torchrun_local_rank())
-    run.share_cpu_cores(device)
-    # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
-    # collective meanwhile, where NCCL's 10-minute timeout would end the run.
-    models.fetch(args.model)
-    # Heads are dealt out whole: a TP degree that does not divide them is refused from the config, on every rank
-    # alike, before the data, the process group or any weight.
-    run.check_tp_degree(models.model_config(args.model), int(os.environ["WORLD_SIZE"]))
-    splits = data.load_splits(args.data, args.data_revision)
-    # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, a pickled object).
-    run.init_process_group(device)
+    # ---- process group: one process per GPU; all of them form one tensor-parallel group, whose degree must deal
+    # out whole heads (refused from the config before the data, the group or any weight: `run.start_ranks`).
+    device, splits = run.start_ranks(args, tp=int(os.environ["WORLD_SIZE"]))
     rank, tp = dist.get_rank(), dist.get_world_size()
     # TP does not split the batch: data-parallel degree 1, every rank runs every micro-batch.
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
