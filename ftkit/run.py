@@ -1080,6 +1080,22 @@ def encode_data(args: argparse.Namespace, splits: dict) -> tuple:
     return tokenizer, train_set, val_set, train_stats
 
 
+def load_lora_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.device, vocab_size: int):
+    """The whole bf16 (--dtype) base on this rank's `device`, built by rank 0 first (it fills the caches), with
+    --grad-checkpointing's non-reentrant checkpointing of every decoder layer, and PEFT's LoRA from --seed: the
+    same weights and adapter init on every rank, as the single-GPU run's. The start of the scripts in which every
+    rank builds the whole model and then keeps its part (tp-ft, tp-sp-ft, pp-ft, fsdp-tp-ft)."""
+    from ftkit import models
+
+    with rank0_first():
+        model = models.load_model(
+            args.model, quant="none", dtype=dtype, device=device, seed=args.seed, vocab_size=vocab_size
+        )
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+
+
 @contextlib.contextmanager
 def rank0_first():
     """Rank 0 runs the block first and fills the caches (the tiny tokenizer, random-init weights, hub downloads);

@@ -113,16 +113,10 @@ def main() -> None:
 
     # ---- model: the whole base and the PEFT LoRA built on every rank (the same seed, the same init), as in tp-ft:
     # each GPU holds the whole base until it is sharded (8 GB for Qwen3-4B). A model near a GPU's memory needs
-    # fsdp-ft's route instead: rank 0 loads into host memory, the others build on the meta device.
-    with run.rank0_first():
-        model = models.load_model(
-            args.model, quant="none", dtype=dtype, device=device, seed=args.seed, vocab_size=len(tokenizer)
-        )
+    # fsdp-ft's route instead: rank 0 loads into host memory, the others build on the meta device. Checkpointing
+    # is non-reentrant, inside each layer's forward: FSDP's hooks stay outside, the TP collectives are recomputed.
+    model = run.load_lora_model(args, dtype, device, len(tokenizer))
     config = model.config
-    if args.grad_checkpointing:
-        # Non-reentrant, inside each layer's forward: FSDP's hooks stay outside, the TP collectives are recomputed.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     peft_config = model.peft_config["default"]
     n_lora = models.parameter_counts(model)["trainable"]  # the whole adapter, for the FLOP count
     # ---- TP first, on the `tp` dimension: each layer's projections and adapters become DTensors split as tp-ft

@@ -203,16 +203,10 @@ def main() -> None:
     # ---- model: every rank builds the whole frozen base and the whole LoRA adapter from the seed (the same
     # weights and the same adapter init as the single-GPU run), then keeps only its stages. At 4B that fits; a
     # 100B+ model would be built on the meta device and each rank would load only its stages' weights.
-    with run.rank0_first():
-        model = models.load_model(
-            args.model, quant="none", dtype=dtype, device=device, seed=args.seed, vocab_size=len(tokenizer)
-        )
+    # Checkpointing: each decoder layer recomputes its activations in backward; the stages call the layers
+    # directly, and a layer applies the checkpointing itself (transformers' GradientCheckpointingLayer).
+    model = run.load_lora_model(args, dtype, device, len(tokenizer))
     config = model.config
-    if args.grad_checkpointing:
-        # Each decoder layer recomputes its activations in backward; the stages call the layers directly, and a
-        # layer applies the checkpointing itself (transformers' GradientCheckpointingLayer).
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     model = models.adapters_compute_in(model, dtype)  # bf16 compute (autocast), fp32 weights: as single-gpu-ft
     counts = models.parameter_counts(model)
     adapter_config = model.peft_config["default"]

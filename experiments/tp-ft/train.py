@@ -127,16 +127,10 @@ def main() -> None:
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
 
     # ---- model: the whole bf16 base and the PEFT LoRA are built on every rank (the same seed, the same init),
-    # then each rank keeps its slices. A real-size run would load only its shard; here clarity wins.
-    with run.rank0_first():
-        model = models.load_model(
-            args.model, quant="none", dtype=dtype, device=device, seed=args.seed, vocab_size=len(tokenizer)
-        )
+    # then each rank keeps its slices. A real-size run would load only its shard; here clarity wins. Checkpointing
+    # is non-reentrant: backward recomputes each layer, and with it the layer's forward collectives.
+    model = run.load_lora_model(args, dtype, device, len(tokenizer))
     config = model.config
-    if args.grad_checkpointing:
-        # Non-reentrant: backward recomputes each layer, and with it the layer's forward collectives.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     # bf16 compute (autocast casts the fp32 adapter weights, DTensor shards included), fp32 master weights.
     model = models.adapters_compute_in(model, dtype)
     peft_config = model.peft_config["default"]
