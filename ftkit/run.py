@@ -400,6 +400,16 @@ def adamw_cosine(
     return optimizer, get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, scheduler) -> float:
+    """The optimizer's step, then the schedule's, and the gradients freed (set to None) for the next step's
+    backward; returns the learning rate the step ran at (the scheduler's step() sets the next one's)."""
+    optimizer.step()
+    lr = scheduler.get_last_lr()[0]
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr
+
+
 def clip_grads_over_ranks(trainable: list, max_norm: float, group=None, replicated: tuple = ()) -> torch.Tensor:
     """The whole model's gradient norm when each rank holds a distinct share of its trainable tensors (pipeline
     stages, tensor-parallel slices), and the gradients clipped to `max_norm` (0: not clipped) as

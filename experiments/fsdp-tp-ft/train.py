@@ -190,10 +190,7 @@ def main() -> None:
                         (loss * dp).backward()
                         loss_sum += loss.detach()
                 grad_norm = clip_grads(trainable, args.max_grad_norm, tp)  # outside the accounting
-                optimizer.step()
-                lr = scheduler.get_last_lr()[0]
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                lr = run.optimizer_step(optimizer, scheduler)
             dist.all_reduce(loss_sum, group=dp_group)  # the DP groups' shares of the global loss
             loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
             row = log.row(

@@ -325,13 +325,9 @@ def main() -> None:
                 with models.compute_autocast(device, dtype):
                     schedule.step(*inputs, target=batch["target"] if has_last else None, losses=losses)
                 timer_actions.stop()
-                # Clipping needs the norm of the whole model's gradient: each rank holds its stages' share, so
-                # the squared norms are summed across ranks (the same total torch.nn.utils.clip_grad_norm_ takes).
+                # The whole model's gradient norm: each rank holds its stages' share, summed across the ranks.
                 grad_norm = run.clip_grads_over_ranks(trainable, args.max_grad_norm)
-                optimizer.step()
-                lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                lr = run.optimizer_step(optimizer, scheduler)  # AdamW on this rank's stages; the rate it ran at
             # The loss lives on the last stage: broadcast it on the device, then the step's one host sync for
             # every device scalar the metrics need.
             loss = torch.stack(losses).detach().sum() if has_last else torch.zeros((), device=device)

@@ -204,10 +204,7 @@ def main() -> None:
                 if args.dump_grads and step == 2:
                     run.dump_grads(full_lora(model, grads=True), run_dir, rank)
                 grad_norm = clip_grads(trainable, args.max_grad_norm)
-                optimizer.step()
-                lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                lr = run.optimizer_step(optimizer, scheduler)  # AdamW on this rank's shards; the rate it ran at
             # The step's one host sync: every device scalar the metrics need, copied together.
             loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
             step_comm = recorder.take()

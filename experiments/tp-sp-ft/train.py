@@ -359,10 +359,7 @@ def main() -> None:
                 # The global norm: the sharded tensors' squares summed over ranks, the replicated ones counted once.
                 # Its one scalar all-reduce is outside the accounting, like the metrics' own.
                 grad_norm = run.clip_grads_over_ranks(trainable, args.max_grad_norm, group, replicated)
-                optimizer.step()
-                lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                lr = run.optimizer_step(optimizer, scheduler)  # AdamW on this rank's slices; the rate it ran at
             # The step's one host sync: every device scalar the metrics need, copied together.
             loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
             step_comm = recorder.take()
