@@ -1032,7 +1032,7 @@ def eval_loss_sums(
     dtype: the adapters' compute dtype, for a model prepared with `models.adapters_compute_in` (the forward runs
     under `models.compute_autocast`, as in training); fp32 runs it as it is."""
     from ftkit.data import to_device, token_loss_sum
-    from ftkit.models import compute_autocast
+    from ftkit.models import answer_logits, compute_autocast
 
     was_training = model.training
     model.eval()
@@ -1040,10 +1040,8 @@ def eval_loss_sums(
     for mb in micro_batches:
         mb = to_device(mb, device)
         with compute_autocast(device, dtype):
-            out = model(
-                input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], logits_to_keep=mb["logit_positions"]
-            )
-        sums[0] += token_loss_sum(out.logits, mb["targets"]).double()
+            logits = answer_logits(model, mb)
+        sums[0] += token_loss_sum(logits, mb["targets"]).double()
         sums[1] += (mb["targets"] != -100).sum()
     model.train(was_training)
     return sums

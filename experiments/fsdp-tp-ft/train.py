@@ -178,13 +178,9 @@ def main() -> None:
                         mb = data.to_device(mb, device)
                         activation_elems += mb["input_ids"].numel() * config.hidden_size
                         model.set_requires_gradient_sync(j == len(micro_batches) - 1)  # reduce-scatter once
-                        out = model(
-                            input_ids=mb["input_ids"],
-                            attention_mask=mb["attention_mask"],
-                            logits_to_keep=mb["logit_positions"],
-                        )
-                        loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
-                        del out
+                        logits = models.answer_logits(model, mb)
+                        loss = data.token_loss_sum(logits, mb["targets"]) / n_target
+                        del logits
                         # This TP group's share of the global loss; FSDP's reduce-scatter averages over the DP
                         # groups, so scale by DP to sum them. Within a TP group every rank has the same loss.
                         (loss * dp).backward()

@@ -181,13 +181,8 @@ def main() -> None:
                         mb = data.to_device(mb, device)
                         activation_elems += mb["input_ids"].numel() * config.hidden_size
                         try:
-                            # The lm_head runs on the answer positions only: the loss needs no other logits.
                             with models.compute_autocast(device, dtype):
-                                out = model(
-                                    input_ids=mb["input_ids"],
-                                    attention_mask=mb["attention_mask"],
-                                    logits_to_keep=mb["logit_positions"],
-                                )
+                                logits = models.answer_logits(model, mb)  # the lm_head on the answer positions only
                         except RuntimeError as e:
                             if not args.naive_plan:
                                 raise
@@ -197,8 +192,8 @@ def main() -> None:
                                 "all of them, and PEFT adds the two. Shard the adapters like their base (the default "
                                 "plan)."
                             ) from e
-                        loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
-                        del out  # the logits are freed by backward, not kept alive into the next forward
+                        loss = data.token_loss_sum(logits, mb["targets"]) / n_target
+                        del logits  # freed by backward, not kept alive into the next forward
                         loss.backward()  # the same loss on every rank: no scaling by the world size
                         loss_sum += loss.detach()
                 if args.dump_grads and step == 2:

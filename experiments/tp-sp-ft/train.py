@@ -343,14 +343,9 @@ def main() -> None:
                         activation_elems += mb["input_ids"].numel() * config.hidden_size
                         local_seq = mb["input_ids"].shape[1] // (tp if args.sequence_parallel else 1)
                         with saved.first_forward(tokens=mb["input_ids"].shape[0] * local_seq):
-                            # The lm_head runs on the answer positions only: the loss needs no other logits.
-                            out = model(
-                                input_ids=mb["input_ids"],
-                                attention_mask=mb["attention_mask"],
-                                logits_to_keep=mb["logit_positions"],
-                            )
-                        loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
-                        del out  # the logits are freed by backward, not kept alive into the next forward
+                            logits = models.answer_logits(model, mb)  # the lm_head on the answer positions only
+                        loss = data.token_loss_sum(logits, mb["targets"]) / n_target
+                        del logits  # freed by backward, not kept alive into the next forward
                         loss.backward()  # the same loss on every rank: no scaling by the world size
                         loss_sum += loss.detach()
                     sync_replicated_grads(replicated, group)
