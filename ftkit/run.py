@@ -764,15 +764,17 @@ def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, schedule
     dist.barrier()  # no rank goes on (or exits, with --stop-after) before the checkpoint is complete
 
 
-def load_sharded_checkpoint(ckpt: Path, model, optimizer, scheduler, any_world: bool = False) -> int:
+def load_sharded_checkpoint(ckpt: Path | None, model, optimizer, scheduler, any_world: bool = False) -> int:
     """Resume from a `save_sharded_checkpoint` folder: each rank reads its own pieces, the scheduler and its RNG
     stream; the step it holds. With `any_world` (FSDP) the ranks may be more or fewer than the ones that wrote it:
     torch.distributed.checkpoint stores each tensor with its global offsets and reads back whatever pieces the
-    new sharding asks for (see `restore_rng` for what then differs)."""
+    new sharding asks for (see `restore_rng` for what then differs). `ckpt` None (a fresh run): step 0."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+    if ckpt is None:
+        return 0
     state = read_checkpoint_state(ckpt, ("sharded/.metadata", "scheduler.pt"))
     if not any_world:
         check_same_world(ckpt, state, dist.get_world_size())
@@ -819,11 +821,14 @@ def save_rank_checkpoint(
     dist.barrier()  # no rank goes on (or exits, with --stop-after) before the checkpoint is complete
 
 
-def load_rank_checkpoint(ckpt: Path, params: dict, optimizer, scheduler) -> int:
+def load_rank_checkpoint(ckpt: Path | None, params: dict, optimizer, scheduler) -> int:
     """Resume from a `save_rank_checkpoint` folder: this rank's parameters, optimizer state and RNG stream, the
-    scheduler; the step it holds. The same world size only: each rank's file holds its own part of the adapter."""
+    scheduler; the step it holds. The same world size only: each rank's file holds its own part of the adapter.
+    `ckpt` None (a fresh run): step 0."""
     import torch.distributed as dist
 
+    if ckpt is None:
+        return 0
     rank = dist.get_rank()
     state = read_checkpoint_state(ckpt, ("scheduler.pt", f"rank{rank}.pt"))
     check_same_world(ckpt, state, dist.get_world_size(), "each rank's file holds its own part of the adapter")

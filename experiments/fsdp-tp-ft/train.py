@@ -148,9 +148,8 @@ def main() -> None:
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = run.adamw_cosine(trainable, args)
-    start_step = 0
-    if resume_from is not None:  # each rank reads its own pieces (torch.distributed.checkpoint), the RNG its own
-        start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler)
+    # Resumed (0 without --resume): each rank reads its own pieces (torch.distributed.checkpoint), the RNG its own.
+    start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler)
 
     log = run.start_log(
         args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, n_lora, mesh=[dp, tp]

@@ -153,9 +153,7 @@ def main() -> None:
 
     # ---- resume: the adapter's DTensor shards and replicated tensors and the optimizer state (each rank reads its
     # own pieces with torch.distributed.checkpoint), the scheduler and each rank's RNG.
-    start_step = 0
-    if resume_from is not None:
-        start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler)
+    start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler)  # 0 without --resume
 
     log = run.start_log(
         args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, n_lora, tensor_parallel=tp

@@ -313,9 +313,7 @@ def main() -> None:
     optimizer, scheduler = run.adamw_cosine(trainable, args)
     # ---- resume: each rank reads back its own slices, their optimizer state and its RNG (rank<r>.pt)
     lora = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    start_step = 0
-    if resume_from is not None:
-        start_step = run.load_rank_checkpoint(resume_from, lora, optimizer, scheduler)
+    start_step = run.load_rank_checkpoint(resume_from, lora, optimizer, scheduler)  # 0 without --resume
 
     log = run.start_log(
         args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, n_lora, tensor_parallel=tp
