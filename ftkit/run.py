@@ -934,6 +934,19 @@ def save_adapter(path: Path, weights: dict[str, torch.Tensor], peft_config) -> N
         peft_config.inference_mode = inference_mode
 
 
+def save_gathered_adapter(path: Path, weights: dict[str, torch.Tensor], peft_config) -> None:
+    """`save_adapter` for an adapter spread over the ranks, each holding some of its tensors whole under the full
+    model's names (a pipeline's stages): rank 0 gathers every rank's and writes the one stock PEFT adapter. A
+    collective: every rank calls it."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    parts = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object({k: p.detach().cpu() for k, p in weights.items()}, parts, dst=0)
+    if rank == 0:
+        save_adapter(path, {k: v for part in parts for k, v in part.items()}, peft_config)
+
+
 def dump_grads(grads: dict[str, torch.Tensor], run_dir: Path, rank: int) -> None:
     """--dump-grads: rank 0 writes the LoRA gradients of step 3, reassembled to full shapes (every rank takes part
     in the reassembly), to grads-step3.safetensors."""
@@ -1012,12 +1025,20 @@ def finish(args: argparse.Namespace, run_dir: Path, summary: dict, finished: boo
 
 
 def eval_micro_batches(
-    encoded: list, n_examples: int, micro_batch_size: int, rank: int = 0, world: int = 1, even: bool = False
+    encoded: list,
+    n_examples: int,
+    micro_batch_size: int,
+    rank: int = 0,
+    world: int = 1,
+    even: bool = False,
+    collate=None,
 ):
     """A fixed held-out set (the first n examples, longest first to pad little), cut into micro-batches and
     dealt round-robin to ranks. `even`: refuse a set that does not split evenly over the ranks, for techniques
-    whose every forward is a collective (FSDP's all-gathers) and so must run as many micro-batches on every rank."""
-    from ftkit.data import collate
+    whose every forward is a collective (FSDP's all-gathers) and so must run as many micro-batches on every rank.
+    `collate`: what makes a micro-batch of a list of examples [`data.collate`]; a pipeline gives its own, for the
+    one shape its stages send (experiments/pp-ft)."""
+    from ftkit import data
 
     chosen = sorted(encoded[:n_examples], key=lambda e: -len(e.input_ids))
     chunks = [chosen[i : i + micro_batch_size] for i in range(0, len(chosen), micro_batch_size)]
@@ -1026,7 +1047,7 @@ def eval_micro_batches(
             f"--eval-examples {n_examples} makes {len(chunks)} eval micro-batches of {micro_batch_size}, which do "
             f"not split evenly over {world} data-parallel groups (every FSDP forward is a collective)"
         )
-    return [collate(c) for c in chunks[rank::world]]
+    return [(collate or data.collate)(c) for c in chunks[rank::world]]
 
 
 @torch.no_grad()
