@@ -30,7 +30,8 @@ What is recorded, per kind of collective:
   made to wait for the collective.
 
 The training scripts keep their own metric reductions (a loss scalar per step, the eval sums) out of the
-accounting, so the numbers are the technique's traffic.
+accounting, so the numbers are the technique's traffic. The tensor-parallel scripts' summaries set it beside what
+theory says they send (`tp_all_reduce_theory`, `tp_sp_collective_theory`).
 """
 
 from __future__ import annotations
@@ -238,6 +239,45 @@ def ring_wire_bytes(kind: str, size: float, world: int) -> float:
     if kind not in factor:
         raise ValueError(f"no ring model for {kind!r}; known: {', '.join(factor)}")
     return factor[kind] * size
+
+
+def tp_all_reduce_theory(config, args, rows: list[dict], key: str = "comm") -> float:
+    """Bytes per sampled step that tp-ft's LoRA-aware DTensor plan all-reduces (experiments/tp-ft; fsdp-tp-ft on
+    its `tp` dimension), from each sampled step's activation bytes (rows with a `key` entry). Per micro-batch and
+    layer: forward, o_proj's and down_proj's partial outputs and those of their lora_A (rank r: r/hidden of an
+    activation); backward, the input gradients of the five column modules and their lora_B, less layer 0's q/k/v
+    (no gradient flows into the frozen embedding); checkpointing repeats the forward ones and makes the
+    embedding's output require grad (transformers' enable_input_require_grads), so layer 0's q/k/v send too."""
+    layers, forward = config.num_hidden_layers, 2 * (2 if args.grad_checkpointing else 1)
+    backward = 5 * layers - (0 if args.grad_checkpointing else 3)
+    per_activation = forward * layers + backward + (forward * layers + 5 * layers) * args.lora_rank / config.hidden_size
+    sampled = [r["activation_bytes"] for r in rows if key in r]
+    return per_activation * sum(sampled) / max(1, len(sampled))
+
+
+def tp_sp_collective_theory(config, args, rows: list[dict], replicated_bytes: int) -> dict[str, float]:
+    """Bytes per optimizer step of each collective kind that tp-sp-ft's hand-rolled TP (and SP) sends, from each
+    step's `activation_bytes` ([micro, seq, hidden] summed over its micro-batches; the mean over the steps). Each
+    decoder layer's two blocks enter with f (an all-reduce of the input gradient in backward) or SP's all-gather (a
+    reduce-scatter in backward) and leave with g (an all-reduce in forward) or SP's reduce-scatter (an all-gather
+    in backward), on one activation each (Korthikanti et al. 2022, Sec. 4.2.2). Layer 0's attention gets no input
+    gradient: the frozen embedding's output needs none. Checkpointing changes three things: the recompute repeats
+    the entries and the attention's exit, but stops before the MLP's exit, whose output nothing saves
+    (torch.utils.checkpoint's early stop); and transformers makes the embedding output require grad, so layer 0's
+    attention and (SP) the scatter into the sequence-parallel region send their backward too. SP also all-gathers
+    the final norm's output for the lm_head. Plus one all-reduce of the replicated LoRA gradients
+    (`replicated_bytes`)."""
+    layers, recompute = config.num_hidden_layers, int(args.grad_checkpointing)
+    entries_forward, entries_backward = 2 * layers * (1 + recompute), 2 * layers - 1 + recompute
+    exits_forward, exits_backward = 2 * layers + layers * recompute, 2 * layers
+    act = sum(r["activation_bytes"] for r in rows) / max(1, len(rows))
+    if not args.sequence_parallel:
+        return {"all_reduce": (exits_forward + entries_backward) * act + replicated_bytes}
+    return {
+        "all_gather": (entries_forward + exits_backward + 1 + recompute) * act,
+        "reduce_scatter": (exits_forward + entries_backward) * act,
+        "all_reduce": float(replicated_bytes),
+    }
 
 
 # Functional collectives (the route DTensor's redistributions take) -> (the kind recorded, the index of the

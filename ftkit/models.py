@@ -345,6 +345,14 @@ def compute_autocast(device: torch.device, dtype: torch.dtype):
     return torch.autocast(device.type, dtype=dtype)
 
 
+def answer_logits(model, mb: dict) -> torch.Tensor:
+    """The logits the loss needs: the forward of a micro-batch (`data.collate`'s) with the lm_head run on the
+    answer positions only (`logits_to_keep`), so the [micro, seq, vocab] logits of whole sequences are never
+    made. Only the logits are kept of the model's output: once the loss is taken, backward frees them."""
+    out = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], logits_to_keep=mb["logit_positions"])
+    return out.logits
+
+
 def parameter_counts(model) -> dict[str, int]:
     """Trainable and frozen element counts. A 4-bit `Params4bit` stores two values per byte, so its numel is
     half the logical count: count its logical shape instead."""

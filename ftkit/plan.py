@@ -28,7 +28,7 @@ A model, not a measurement; every term is a formula in this repository or a stat
     checkpointing recomputes: 7 or 9 all-reduces of [micro, seq, hidden] on the critical path;
   - TP+SP (tp-sp-ft): Megatron's pairs, one per block entry and exit: 4 collectives per layer (5.5 with the
     recompute, which repeats the two entries' all-gathers and the attention exit's reduce-scatter but stops
-    before the MLP's exit: tp-sp-ft's `collective_theory`), each all-gather + reduce-scatter or all-reduce, the
+    before the MLP's exit: `comm.tp_sp_collective_theory`), each all-gather + reduce-scatter or all-reduce, the
     same wire bytes, on the critical path;
   - PP (pp-ft, 1F1B): the bubble, (p - 1) / m of the compute (Narayanan et al. 2021, arXiv 2104.04473, Sec. 2.2),
     and the point-to-point activations of the fill and the drain (2 (p - 1) transfers; the steady state's are

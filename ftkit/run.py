@@ -340,6 +340,25 @@ def init_process_group(device: torch.device) -> None:
         dist.init_process_group("gloo")
 
 
+def start_ranks(args: argparse.Namespace, tp: int | None = None) -> tuple[torch.device, dict]:
+    """A torchrun process (one per GPU) up to its process group, in the order that keeps the group's timeout away:
+    this rank's device (on CPU, its share of the cores); the model's files downloaded (~8 GB of weights on a first
+    run) before the group exists, so that no rank waits in a collective meanwhile, where NCCL's 10-minute timeout
+    would end the run; with `tp`, a tensor-parallel degree that does not deal out whole heads refused from the
+    config (`check_tp_degree`), on every rank alike, before the data, the group or any weight; the data splits
+    (a hub dataset downloads too); then the group (`init_process_group`). Returns (device, splits)."""
+    from ftkit import data, models
+
+    device = device_for(args, torchrun_local_rank())
+    share_cpu_cores(device)
+    models.fetch(args.model)
+    if tp is not None:
+        check_tp_degree(models.model_config(args.model), tp)
+    splits = data.load_splits(args.data, args.data_revision)
+    init_process_group(device)
+    return device, splits
+
+
 def launch(main) -> None:
     """Run a train.py's `main`: a RunError/DataError/CheckpointError ends it with its message and exit code 2, not
     a traceback. Then destroy the process group, if one is up, and leave without running the C++ static
@@ -381,6 +400,16 @@ def adamw_cosine(
     return optimizer, get_cosine_schedule_with_warmup(optimizer, args.warmup_steps, args.max_steps)
 
 
+def optimizer_step(optimizer: torch.optim.Optimizer, scheduler) -> float:
+    """The optimizer's step, then the schedule's, and the gradients freed (set to None) for the next step's
+    backward; returns the learning rate the step ran at (the scheduler's step() sets the next one's)."""
+    optimizer.step()
+    lr = scheduler.get_last_lr()[0]
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return lr
+
+
 def clip_grads_over_ranks(trainable: list, max_norm: float, group=None, replicated: tuple = ()) -> torch.Tensor:
     """The whole model's gradient norm when each rank holds a distinct share of its trainable tensors (pipeline
     stages, tensor-parallel slices), and the gradients clipped to `max_norm` (0: not clipped) as
@@ -403,6 +432,19 @@ def clip_grads_over_ranks(trainable: list, max_norm: float, group=None, replicat
     norm = (sq + sum_sq(replicated)).sqrt()
     torch.nn.utils.clip_grads_with_norm_(trainable, max_norm if max_norm > 0 else float("inf"), norm)
     return norm
+
+
+def gather_split(t: torch.Tensor, dim: int | None, group=None) -> torch.Tensor:
+    """The whole tensor of which each rank of `group` holds one equal part along `dim` (hand-rolled tensor
+    parallelism's slices): the parts all-gathered and concatenated in rank order, the same on every rank; every
+    rank takes part. `dim` None: `t` is whole on every rank already, and is returned as it is."""
+    import torch.distributed as dist
+
+    if dim is None:
+        return t
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, t.contiguous(), group=group)
+    return torch.cat(parts, dim=dim)
 
 
 def load_experiment(name: str):
@@ -722,15 +764,17 @@ def save_sharded_checkpoint(run_dir: Path, step: int, model, optimizer, schedule
     dist.barrier()  # no rank goes on (or exits, with --stop-after) before the checkpoint is complete
 
 
-def load_sharded_checkpoint(ckpt: Path, model, optimizer, scheduler, any_world: bool = False) -> int:
+def load_sharded_checkpoint(ckpt: Path | None, model, optimizer, scheduler, any_world: bool = False) -> int:
     """Resume from a `save_sharded_checkpoint` folder: each rank reads its own pieces, the scheduler and its RNG
     stream; the step it holds. With `any_world` (FSDP) the ranks may be more or fewer than the ones that wrote it:
     torch.distributed.checkpoint stores each tensor with its global offsets and reads back whatever pieces the
-    new sharding asks for (see `restore_rng` for what then differs)."""
+    new sharding asks for (see `restore_rng` for what then differs). `ckpt` None (a fresh run): step 0."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+    if ckpt is None:
+        return 0
     state = read_checkpoint_state(ckpt, ("sharded/.metadata", "scheduler.pt"))
     if not any_world:
         check_same_world(ckpt, state, dist.get_world_size())
@@ -777,11 +821,14 @@ def save_rank_checkpoint(
     dist.barrier()  # no rank goes on (or exits, with --stop-after) before the checkpoint is complete
 
 
-def load_rank_checkpoint(ckpt: Path, params: dict, optimizer, scheduler) -> int:
+def load_rank_checkpoint(ckpt: Path | None, params: dict, optimizer, scheduler) -> int:
     """Resume from a `save_rank_checkpoint` folder: this rank's parameters, optimizer state and RNG stream, the
-    scheduler; the step it holds. The same world size only: each rank's file holds its own part of the adapter."""
+    scheduler; the step it holds. The same world size only: each rank's file holds its own part of the adapter.
+    `ckpt` None (a fresh run): step 0."""
     import torch.distributed as dist
 
+    if ckpt is None:
+        return 0
     rank = dist.get_rank()
     state = read_checkpoint_state(ckpt, ("scheduler.pt", f"rank{rank}.pt"))
     check_same_world(ckpt, state, dist.get_world_size(), "each rank's file holds its own part of the adapter")
@@ -887,6 +934,19 @@ def save_adapter(path: Path, weights: dict[str, torch.Tensor], peft_config) -> N
         peft_config.inference_mode = inference_mode
 
 
+def save_gathered_adapter(path: Path, weights: dict[str, torch.Tensor], peft_config) -> None:
+    """`save_adapter` for an adapter spread over the ranks, each holding some of its tensors whole under the full
+    model's names (a pipeline's stages): rank 0 gathers every rank's and writes the one stock PEFT adapter. A
+    collective: every rank calls it."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    parts = [None] * dist.get_world_size() if rank == 0 else None
+    dist.gather_object({k: p.detach().cpu() for k, p in weights.items()}, parts, dst=0)
+    if rank == 0:
+        save_adapter(path, {k: v for part in parts for k, v in part.items()}, peft_config)
+
+
 def dump_grads(grads: dict[str, torch.Tensor], run_dir: Path, rank: int) -> None:
     """--dump-grads: rank 0 writes the LoRA gradients of step 3, reassembled to full shapes (every rank takes part
     in the reassembly), to grads-step3.safetensors."""
@@ -965,12 +1025,20 @@ def finish(args: argparse.Namespace, run_dir: Path, summary: dict, finished: boo
 
 
 def eval_micro_batches(
-    encoded: list, n_examples: int, micro_batch_size: int, rank: int = 0, world: int = 1, even: bool = False
+    encoded: list,
+    n_examples: int,
+    micro_batch_size: int,
+    rank: int = 0,
+    world: int = 1,
+    even: bool = False,
+    collate=None,
 ):
     """A fixed held-out set (the first n examples, longest first to pad little), cut into micro-batches and
     dealt round-robin to ranks. `even`: refuse a set that does not split evenly over the ranks, for techniques
-    whose every forward is a collective (FSDP's all-gathers) and so must run as many micro-batches on every rank."""
-    from ftkit.data import collate
+    whose every forward is a collective (FSDP's all-gathers) and so must run as many micro-batches on every rank.
+    `collate`: what makes a micro-batch of a list of examples [`data.collate`]; a pipeline gives its own, for the
+    one shape its stages send (experiments/pp-ft)."""
+    from ftkit import data
 
     chosen = sorted(encoded[:n_examples], key=lambda e: -len(e.input_ids))
     chunks = [chosen[i : i + micro_batch_size] for i in range(0, len(chosen), micro_batch_size)]
@@ -979,7 +1047,7 @@ def eval_micro_batches(
             f"--eval-examples {n_examples} makes {len(chunks)} eval micro-batches of {micro_batch_size}, which do "
             f"not split evenly over {world} data-parallel groups (every FSDP forward is a collective)"
         )
-    return [collate(c) for c in chunks[rank::world]]
+    return [(collate or data.collate)(c) for c in chunks[rank::world]]
 
 
 @torch.no_grad()
@@ -990,7 +1058,7 @@ def eval_loss_sums(
     dtype: the adapters' compute dtype, for a model prepared with `models.adapters_compute_in` (the forward runs
     under `models.compute_autocast`, as in training); fp32 runs it as it is."""
     from ftkit.data import to_device, token_loss_sum
-    from ftkit.models import compute_autocast
+    from ftkit.models import answer_logits, compute_autocast
 
     was_training = model.training
     model.eval()
@@ -998,10 +1066,8 @@ def eval_loss_sums(
     for mb in micro_batches:
         mb = to_device(mb, device)
         with compute_autocast(device, dtype):
-            out = model(
-                input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], logits_to_keep=mb["logit_positions"]
-            )
-        sums[0] += token_loss_sum(out.logits, mb["targets"]).double()
+            logits = answer_logits(model, mb)
+        sums[0] += token_loss_sum(logits, mb["targets"]).double()
         sums[1] += (mb["targets"] != -100).sum()
     model.train(was_training)
     return sums
@@ -1046,6 +1112,22 @@ def encode_data(args: argparse.Namespace, splits: dict) -> tuple:
     val_set, _ = formatter.encode_all(splits["val"])
     print0(f"train: {train_stats.describe()}")
     return tokenizer, train_set, val_set, train_stats
+
+
+def load_lora_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.device, vocab_size: int):
+    """The whole bf16 (--dtype) base on this rank's `device`, built by rank 0 first (it fills the caches), with
+    --grad-checkpointing's non-reentrant checkpointing of every decoder layer, and PEFT's LoRA from --seed: the
+    same weights and adapter init on every rank, as the single-GPU run's. The start of the scripts in which every
+    rank builds the whole model and then keeps its part (tp-ft, tp-sp-ft, pp-ft, fsdp-tp-ft)."""
+    from ftkit import models
+
+    with rank0_first():
+        model = models.load_model(
+            args.model, quant="none", dtype=dtype, device=device, seed=args.seed, vocab_size=vocab_size
+        )
+    if args.grad_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
 
 
 @contextlib.contextmanager

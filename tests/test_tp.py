@@ -149,7 +149,7 @@ def test_megatron_tp_all_reduces_twice_per_layer_each_way(megatron_tp):
         assert set(row["comm"]) == {"all_reduce"}
         assert row["comm"]["all_reduce"]["bytes"] == (4 * layers - 1) * act + summary["replicated_lora_grad_bytes"]
         assert row["comm"]["all_reduce"]["count"] == BATCH // MICRO * (4 * layers - 1) + 1
-    # The summary states the same theory (tp-sp-ft's collective_theory), beside what was recorded.
+    # The summary states the same theory (ftkit.comm.tp_sp_collective_theory), beside what was recorded.
     assert summary["theory_comm_bytes_per_step"] == pytest.approx(summary["comm_bytes_per_step"], rel=1e-12)
 
 

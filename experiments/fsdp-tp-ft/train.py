@@ -36,7 +36,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from ftkit import comm, data, metrics, models, run
 from ftkit.profiling import StepProfiler
 
-tp_ft = run.load_experiment("tp-ft")  # its lora_aware_plan and all_reduce_theory
+tp_ft = run.load_experiment("tp-ft")  # its lora_aware_plan
 
 
 def parse_args():
@@ -113,16 +113,10 @@ def main() -> None:
 
     # ---- model: the whole base and the PEFT LoRA built on every rank (the same seed, the same init), as in tp-ft:
     # each GPU holds the whole base until it is sharded (8 GB for Qwen3-4B). A model near a GPU's memory needs
-    # fsdp-ft's route instead: rank 0 loads into host memory, the others build on the meta device.
-    with run.rank0_first():
-        model = models.load_model(
-            args.model, quant="none", dtype=dtype, device=device, seed=args.seed, vocab_size=len(tokenizer)
-        )
+    # fsdp-ft's route instead: rank 0 loads into host memory, the others build on the meta device. Checkpointing
+    # is non-reentrant, inside each layer's forward: FSDP's hooks stay outside, the TP collectives are recomputed.
+    model = run.load_lora_model(args, dtype, device, len(tokenizer))
     config = model.config
-    if args.grad_checkpointing:
-        # Non-reentrant, inside each layer's forward: FSDP's hooks stay outside, the TP collectives are recomputed.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     peft_config = model.peft_config["default"]
     n_lora = models.parameter_counts(model)["trainable"]  # the whole adapter, for the FLOP count
     # ---- TP first, on the `tp` dimension: each layer's projections and adapters become DTensors split as tp-ft
@@ -154,9 +148,8 @@ def main() -> None:
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = run.adamw_cosine(trainable, args)
-    start_step = 0
-    if resume_from is not None:  # each rank reads its own pieces (torch.distributed.checkpoint), the RNG its own
-        start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler)
+    # Resumed (0 without --resume): each rank reads its own pieces (torch.distributed.checkpoint), the RNG its own.
+    start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler)
 
     log = run.start_log(
         args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, n_lora, mesh=[dp, tp]
@@ -184,22 +177,15 @@ def main() -> None:
                         mb = data.to_device(mb, device)
                         activation_elems += mb["input_ids"].numel() * config.hidden_size
                         model.set_requires_gradient_sync(j == len(micro_batches) - 1)  # reduce-scatter once
-                        out = model(
-                            input_ids=mb["input_ids"],
-                            attention_mask=mb["attention_mask"],
-                            logits_to_keep=mb["logit_positions"],
-                        )
-                        loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
-                        del out
+                        logits = models.answer_logits(model, mb)
+                        loss = data.token_loss_sum(logits, mb["targets"]) / n_target
+                        del logits
                         # This TP group's share of the global loss; FSDP's reduce-scatter averages over the DP
                         # groups, so scale by DP to sum them. Within a TP group every rank has the same loss.
                         (loss * dp).backward()
                         loss_sum += loss.detach()
                 grad_norm = clip_grads(trainable, args.max_grad_norm, tp)  # outside the accounting
-                optimizer.step()
-                lr = scheduler.get_last_lr()[0]
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                lr = run.optimizer_step(optimizer, scheduler)
             dist.all_reduce(loss_sum, group=dp_group)  # the DP groups' shares of the global loss
             loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
             row = log.row(
@@ -245,7 +231,7 @@ def main() -> None:
         # gradients reduce-scattered once, in fp32. On `tp`, tp-ft's all-reduces on this TP group's micro-batches.
         theory_all_gather_bytes=accum * (all_bytes + layer_bytes) if dp > 1 else 0,  # a group of one sends nothing
         theory_reduce_scatter_bytes=lora_slice * 4 if dp > 1 else 0,
-        theory_comm_tp_bytes_per_step=tp_ft.all_reduce_theory(config, args, log.rows, "comm_tp") if tp > 1 else 0,
+        theory_comm_tp_bytes_per_step=comm.tp_all_reduce_theory(config, args, log.rows, "comm_tp") if tp > 1 else 0,
         **comm.summarize(log.rows),
         **comm.summarize(log.rows, key="comm_tp"),
         comm_note="`comm` (dp): FSDP2's all-gathers and reduce-scatters per optimizer step on rank 0's FSDP group, "

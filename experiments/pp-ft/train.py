@@ -163,12 +163,10 @@ def main() -> None:
     n_stages, per_stage = stage_layout(models.model_config(args.model).num_hidden_layers, world, args.schedule)
     # Pipelining is not data parallelism: every micro-batch of the step goes through every rank.
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
-    # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
-    # collective meanwhile, where NCCL's 10-minute timeout would end the run.
+    # Downloads before the group exists: no rank waits in a collective meanwhile (NCCL's 10-minute timeout).
     models.fetch(args.model)
     splits = data.load_splits(args.data, args.data_revision)
-    # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, a pickled object).
-    run.init_process_group(device)
+    run.init_process_group(device)  # "cpu:gloo,cuda:nccl" on GPUs
     rank = dist.get_rank()
     stage_ids = rank_stages(rank, world, args.schedule)
     dtype = run.torch_dtype(args.dtype)
@@ -189,30 +187,23 @@ def main() -> None:
             "target": torch.stack([mb["logit_positions"], mb["targets"]], dim=1),
         }
 
-    # The eval set, in groups of --batch-size examples (the pipeline's shape); the last group is filled with
-    # rows that have no target tokens.
-    chosen = sorted(val_set[: args.eval_examples], key=lambda e: -len(e.input_ids))
-    eval_batches = []
-    for i in range(0, len(chosen), args.batch_size):
-        group = chosen[i : i + args.batch_size]
+    # The eval set every script takes, in groups of --batch-size examples (the pipeline's shape); the last group
+    # is filled with rows that have no target tokens.
+    def eval_batch(group: list) -> dict[str, torch.Tensor]:
         b = padded(group + [group[-1]] * (args.batch_size - len(group)))
         b["target"][len(group) :, 1] = data.IGNORE_INDEX
-        eval_batches.append(b)
+        return b
+
+    eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.batch_size, collate=eval_batch)
     eval_targets = sum(int((b["target"][:, 1] != data.IGNORE_INDEX).sum()) for b in eval_batches)
 
     # ---- model: every rank builds the whole frozen base and the whole LoRA adapter from the seed (the same
     # weights and the same adapter init as the single-GPU run), then keeps only its stages. At 4B that fits; a
     # 100B+ model would be built on the meta device and each rank would load only its stages' weights.
-    with run.rank0_first():
-        model = models.load_model(
-            args.model, quant="none", dtype=dtype, device=device, seed=args.seed, vocab_size=len(tokenizer)
-        )
+    # Checkpointing: each decoder layer recomputes its activations in backward; the stages call the layers
+    # directly, and a layer applies the checkpointing itself (transformers' GradientCheckpointingLayer).
+    model = run.load_lora_model(args, dtype, device, len(tokenizer))
     config = model.config
-    if args.grad_checkpointing:
-        # Each decoder layer recomputes its activations in backward; the stages call the layers directly, and a
-        # layer applies the checkpointing itself (transformers' GradientCheckpointingLayer).
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     model = models.adapters_compute_in(model, dtype)  # bf16 compute (autocast), fp32 weights: as single-gpu-ft
     counts = models.parameter_counts(model)
     adapter_config = model.peft_config["default"]
@@ -259,14 +250,6 @@ def main() -> None:
         for name, p in m.named_parameters()
         if p.requires_grad
     }
-
-    def save_adapter(path) -> None:
-        # Rank 0 gathers every stage's LoRA weights, renamed to global layer indices, into one stock PEFT
-        # adapter for the whole model.
-        parts = [None] * world if rank == 0 else None
-        dist.gather_object({k: p.detach().cpu() for k, p in lora.items()}, parts, dst=0)
-        if rank == 0:
-            run.save_adapter(path, {k: v for part in parts for k, v in part.items()}, adapter_config)
 
     # ---- resume: each rank reads back its stages' LoRA weights, their optimizer state and its RNG (rank<r>.pt)
     start_step = 0
@@ -331,13 +314,9 @@ def main() -> None:
                 with models.compute_autocast(device, dtype):
                     schedule.step(*inputs, target=batch["target"] if has_last else None, losses=losses)
                 timer_actions.stop()
-                # Clipping needs the norm of the whole model's gradient: each rank holds its stages' share, so
-                # the squared norms are summed across ranks (the same total torch.nn.utils.clip_grad_norm_ takes).
+                # The whole model's gradient norm: each rank holds its stages' share, summed across the ranks.
                 grad_norm = run.clip_grads_over_ranks(trainable, args.max_grad_norm)
-                optimizer.step()
-                lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                lr = run.optimizer_step(optimizer, scheduler)  # AdamW on this rank's stages; the rate it ran at
             # The loss lives on the last stage: broadcast it on the device, then the step's one host sync for
             # every device scalar the metrics need.
             loss = torch.stack(losses).detach().sum() if has_last else torch.zeros((), device=device)
@@ -370,10 +349,11 @@ def main() -> None:
             profiler.step(step + 1)
     log.close()
 
-    # ---- save: one stock PEFT adapter for the whole model, merged from the stages on rank 0
+    # ---- save: one stock PEFT adapter for the whole model: rank 0 gathers every stage's LoRA weights, already
+    # under the full model's keys (global layer indices)
     finished = last_step == args.max_steps
     if finished:
-        save_adapter(run_dir / "adapter")
+        run.save_gathered_adapter(run_dir / "adapter", lora, adapter_config)
     if rank != 0:
         return
     if timeline is not None:

@@ -97,20 +97,6 @@ def clip_grads(trainable: list[torch.nn.Parameter], max_norm: float) -> torch.Te
     return norm
 
 
-def all_reduce_theory(config, args, rows: list[dict], key: str = "comm") -> float:
-    """Bytes per sampled step that this plan's all-reduces send, from each sampled step's activation bytes (rows
-    with a `key` entry). Per micro-batch and layer: forward, o_proj's and down_proj's partial outputs and those of
-    their lora_A (rank r: r/hidden of an activation); backward, the input gradients of the five column modules and
-    their lora_B, less layer 0's q/k/v (no gradient flows into the frozen embedding); checkpointing repeats the
-    forward ones and makes the embedding's output require grad (transformers' enable_input_require_grads), so
-    layer 0's q/k/v send too."""
-    layers, forward = config.num_hidden_layers, 2 * (2 if args.grad_checkpointing else 1)
-    backward = 5 * layers - (0 if args.grad_checkpointing else 3)
-    per_activation = forward * layers + backward + (forward * layers + 5 * layers) * args.lora_rank / config.hidden_size
-    sampled = [r["activation_bytes"] for r in rows if key in r]
-    return per_activation * sum(sampled) / max(1, len(sampled))
-
-
 def full_lora(model, grads: bool = False) -> dict[str, torch.Tensor]:
     """The whole adapter (or its gradient) under PEFT's names: DTensor shards gathered with `full_tensor()`,
     replicated tensors as they are. Every rank takes part; the result is the same on every rank."""
@@ -126,18 +112,9 @@ def full_lora(model, grads: bool = False) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     args = parse_args()
-    # ---- process group: one process per GPU; all of them form one tensor-parallel group.
-    device = run.device_for(args, run.torchrun_local_rank())
-    run.share_cpu_cores(device)
-    # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
-    # collective meanwhile, where NCCL's 10-minute timeout would end the run.
-    models.fetch(args.model)
-    # Heads are dealt out whole: a TP degree that does not divide them is refused from the config, on every rank
-    # alike, before the data, the process group or any weight.
-    run.check_tp_degree(models.model_config(args.model), int(os.environ["WORLD_SIZE"]))
-    splits = data.load_splits(args.data, args.data_revision)
-    # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, a pickled object).
-    run.init_process_group(device)
+    # ---- process group: one process per GPU; all of them form one tensor-parallel group, whose degree must deal
+    # out whole heads (refused from the config before the data, the group or any weight: `run.start_ranks`).
+    device, splits = run.start_ranks(args, tp=int(os.environ["WORLD_SIZE"]))
     rank, tp = dist.get_rank(), dist.get_world_size()
     # TP does not split the batch: data-parallel degree 1, every rank runs every micro-batch.
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
@@ -150,16 +127,10 @@ def main() -> None:
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
 
     # ---- model: the whole bf16 base and the PEFT LoRA are built on every rank (the same seed, the same init),
-    # then each rank keeps its slices. A real-size run would load only its shard; here clarity wins.
-    with run.rank0_first():
-        model = models.load_model(
-            args.model, quant="none", dtype=dtype, device=device, seed=args.seed, vocab_size=len(tokenizer)
-        )
+    # then each rank keeps its slices. A real-size run would load only its shard; here clarity wins. Checkpointing
+    # is non-reentrant: backward recomputes each layer, and with it the layer's forward collectives.
+    model = run.load_lora_model(args, dtype, device, len(tokenizer))
     config = model.config
-    if args.grad_checkpointing:
-        # Non-reentrant: backward recomputes each layer, and with it the layer's forward collectives.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     # bf16 compute (autocast casts the fp32 adapter weights, DTensor shards included), fp32 master weights.
     model = models.adapters_compute_in(model, dtype)
     peft_config = model.peft_config["default"]
@@ -182,9 +153,7 @@ def main() -> None:
 
     # ---- resume: the adapter's DTensor shards and replicated tensors and the optimizer state (each rank reads its
     # own pieces with torch.distributed.checkpoint), the scheduler and each rank's RNG.
-    start_step = 0
-    if resume_from is not None:
-        start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler)
+    start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler)  # 0 without --resume
 
     log = run.start_log(
         args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, n_lora, tensor_parallel=tp
@@ -210,13 +179,8 @@ def main() -> None:
                         mb = data.to_device(mb, device)
                         activation_elems += mb["input_ids"].numel() * config.hidden_size
                         try:
-                            # The lm_head runs on the answer positions only: the loss needs no other logits.
                             with models.compute_autocast(device, dtype):
-                                out = model(
-                                    input_ids=mb["input_ids"],
-                                    attention_mask=mb["attention_mask"],
-                                    logits_to_keep=mb["logit_positions"],
-                                )
+                                logits = models.answer_logits(model, mb)  # the lm_head on the answer positions only
                         except RuntimeError as e:
                             if not args.naive_plan:
                                 raise
@@ -226,17 +190,14 @@ def main() -> None:
                                 "all of them, and PEFT adds the two. Shard the adapters like their base (the default "
                                 "plan)."
                             ) from e
-                        loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
-                        del out  # the logits are freed by backward, not kept alive into the next forward
+                        loss = data.token_loss_sum(logits, mb["targets"]) / n_target
+                        del logits  # freed by backward, not kept alive into the next forward
                         loss.backward()  # the same loss on every rank: no scaling by the world size
                         loss_sum += loss.detach()
                 if args.dump_grads and step == 2:
                     run.dump_grads(full_lora(model, grads=True), run_dir, rank)
                 grad_norm = clip_grads(trainable, args.max_grad_norm)
-                optimizer.step()
-                lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                lr = run.optimizer_step(optimizer, scheduler)  # AdamW on this rank's shards; the rate it ran at
             # The step's one host sync: every device scalar the metrics need, copied together.
             loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
             step_comm = recorder.take()
@@ -276,8 +237,8 @@ def main() -> None:
         note=metrics.memory_note(device),
         # Theory: RowwiseParallel all-reduces the partial outputs of o_proj and down_proj (and of their lora_A) in
         # forward; every ColwiseParallel module all-reduces the gradient of its own replicated input in backward:
-        # q, k, v, gate, up (and their lora_B), one each (`all_reduce_theory`).
-        theory_comm_bytes_per_step=all_reduce_theory(config, args, log.rows),
+        # q, k, v, gate, up (and their lora_B), one each (`comm.tp_all_reduce_theory`).
+        theory_comm_bytes_per_step=comm.tp_all_reduce_theory(config, args, log.rows),
         **comm.summarize(log.rows),
         comm_note="per optimizer step, every functional collective DTensor issued in forward and backward "
         "(ftkit/comm.py recording_functional): bytes of the all-reduced tensors; time_s is issue time only "

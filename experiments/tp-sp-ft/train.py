@@ -127,27 +127,18 @@ class ReduceScatterSeqFromTP(torch.autograd.Function):
         return _all_gather_seq(grad, ctx.group), None
 
 
-class ScatterSeq(torch.autograd.Function):
-    """Into the sequence-parallel region (before layer 0): keep this rank's tokens; backward all-gathers."""
+class ScatterSeq(ReduceScatterSeqFromTP):
+    """Into the sequence-parallel region (before layer 0): keep this rank's tokens; backward is g-bar's all-gather."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
         return _local_seq(x, group)
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_seq(grad, ctx.group), None
 
-
-class GatherSeq(torch.autograd.Function):
-    """Out of the sequence-parallel region (after the final norm): all-gather; every rank then computes the same
+class GatherSeq(GatherSeqToTP):
+    """Out of the sequence-parallel region (after the final norm): g's all-gather; every rank then computes the same
     logits and loss, so the gradient arriving here is the same on every rank and backward keeps this rank's part."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return _all_gather_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
@@ -261,63 +252,24 @@ def sync_replicated_grads(params: list[torch.nn.Parameter], group) -> None:
         p.grad.copy_(g.view_as(p.grad))
 
 
-def collective_theory(config, args, rows: list[dict], replicated_bytes: int) -> dict[str, float]:
-    """Bytes per optimizer step of each collective kind, from each step's `activation_bytes` ([micro, seq, hidden]
-    summed over its micro-batches; the mean over the steps). Each decoder layer's two blocks enter with f (an
-    all-reduce of the input gradient in backward) or SP's all-gather (a reduce-scatter in backward) and leave with
-    g (an all-reduce in forward) or SP's reduce-scatter (an all-gather in backward), on one activation each
-    (Korthikanti et al. 2022, Sec. 4.2.2). Layer 0's attention gets no input gradient: the frozen embedding's
-    output needs none. Checkpointing changes three things: the recompute repeats the entries and the attention's
-    exit, but stops before the MLP's exit, whose output nothing saves (torch.utils.checkpoint's early stop); and
-    transformers makes the embedding output require grad, so layer 0's attention and (SP) the scatter into the
-    sequence-parallel region send their backward too. SP also all-gathers the final norm's output for the lm_head.
-    Plus one all-reduce of the replicated LoRA gradients."""
-    layers, recompute = config.num_hidden_layers, int(args.grad_checkpointing)
-    entries_forward, entries_backward = 2 * layers * (1 + recompute), 2 * layers - 1 + recompute
-    exits_forward, exits_backward = 2 * layers + layers * recompute, 2 * layers
-    act = sum(r["activation_bytes"] for r in rows) / max(1, len(rows))
-    if not args.sequence_parallel:
-        return {"all_reduce": (exits_forward + entries_backward) * act + replicated_bytes}
-    return {
-        "all_gather": (entries_forward + exits_backward + 1 + recompute) * act,
-        "reduce_scatter": (exits_forward + entries_backward) * act,
-        "all_reduce": float(replicated_bytes),
-    }
-
-
 def full_lora(model, group, grads: bool = False) -> dict[str, torch.Tensor]:
     """The whole adapter (or its gradient) under PEFT's names for the unsharded model: the sharded tensors are
     all-gathered and concatenated along the dim they were split on (B's rows of a column layer, A's columns of a
-    row layer). Every rank takes part; the result is the same on every rank."""
-    tp = dist.get_world_size(group)
+    row layer; `run.gather_split`). Every rank takes part; the result is the same on every rank."""
     out = {}
     for name, m in parallel_linears(model):
-        key = f"{name}.lora_{{}}.weight"
         for which in ("A", "B"):
             p = getattr(m, f"lora_{which}")
-            t = (p.grad if grads else p).detach()
-            if m.split[which] is not None:
-                parts = [torch.empty_like(t) for _ in range(tp)]
-                dist.all_gather(parts, t.contiguous(), group=group)
-                t = torch.cat(parts, dim=m.split[which])
-            out[key.format(which)] = t.cpu().contiguous()
+            t = run.gather_split((p.grad if grads else p).detach(), m.split[which], group)
+            out[f"{name}.lora_{which}.weight"] = t.cpu().contiguous()
     return out
 
 
 def main() -> None:
     args = parse_args()
-    # ---- process group: one process per GPU; all of them form one tensor-parallel group.
-    device = run.device_for(args, run.torchrun_local_rank())
-    run.share_cpu_cores(device)
-    # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
-    # collective meanwhile, where NCCL's 10-minute timeout would end the run.
-    models.fetch(args.model)
-    # Heads are dealt out whole: a TP degree that does not divide them is refused from the config, on every rank
-    # alike, before the data, the process group or any weight.
-    run.check_tp_degree(models.model_config(args.model), int(os.environ["WORLD_SIZE"]))
-    splits = data.load_splits(args.data, args.data_revision)
-    # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, a pickled object).
-    run.init_process_group(device)
+    # ---- process group: one process per GPU; all of them form one tensor-parallel group, whose degree must deal
+    # out whole heads (refused from the config before the data, the group or any weight: `run.start_ranks`).
+    device, splits = run.start_ranks(args, tp=int(os.environ["WORLD_SIZE"]))
     rank, tp = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     # TP does not split the batch: data-parallel degree 1, every rank runs every micro-batch.
@@ -334,16 +286,10 @@ def main() -> None:
     eval_batches = [data.pad_to_multiple(mb, tp) for mb in eval_batches]
 
     # ---- model: the whole bf16 base and the PEFT LoRA are built on every rank (the same seed, the same init),
-    # then each rank keeps its slices. A real-size run would load only its shard; here clarity wins.
-    with run.rank0_first():
-        model = models.load_model(
-            args.model, quant="none", dtype=dtype, device=device, seed=args.seed, vocab_size=len(tokenizer)
-        )
+    # then each rank keeps its slices. A real-size run would load only its shard; here clarity wins. Checkpointing
+    # is non-reentrant: backward recomputes each layer, and with it the layer's forward collectives.
+    model = run.load_lora_model(args, dtype, device, len(tokenizer))
     config = model.config
-    if args.grad_checkpointing:
-        # Non-reentrant: backward recomputes each layer, and with it the layer's forward collectives.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     peft_config = model.peft_config["default"]
     n_lora = models.parameter_counts(model)["trainable"]  # the whole adapter, for the FLOP count
     # ---- tensor parallel: the projections become column/row-parallel linears holding this rank's slices. The
@@ -352,15 +298,13 @@ def main() -> None:
     counts = models.parameter_counts(model)
     run.print0(f"parameters on this rank: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
     replicated = replicated_lora(model)
-    replicated_bytes = sum(p.numel() * p.element_size() for p in replicated)
+    replicated_bytes = comm.nbytes(replicated)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = run.adamw_cosine(trainable, args)
     # ---- resume: each rank reads back its own slices, their optimizer state and its RNG (rank<r>.pt)
     lora = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    start_step = 0
-    if resume_from is not None:
-        start_step = run.load_rank_checkpoint(resume_from, lora, optimizer, scheduler)
+    start_step = run.load_rank_checkpoint(resume_from, lora, optimizer, scheduler)  # 0 without --resume
 
     log = run.start_log(
         args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, n_lora, tensor_parallel=tp
@@ -388,14 +332,9 @@ def main() -> None:
                         activation_elems += mb["input_ids"].numel() * config.hidden_size
                         local_seq = mb["input_ids"].shape[1] // (tp if args.sequence_parallel else 1)
                         with saved.first_forward(tokens=mb["input_ids"].shape[0] * local_seq):
-                            # The lm_head runs on the answer positions only: the loss needs no other logits.
-                            out = model(
-                                input_ids=mb["input_ids"],
-                                attention_mask=mb["attention_mask"],
-                                logits_to_keep=mb["logit_positions"],
-                            )
-                        loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
-                        del out  # the logits are freed by backward, not kept alive into the next forward
+                            logits = models.answer_logits(model, mb)  # the lm_head on the answer positions only
+                        loss = data.token_loss_sum(logits, mb["targets"]) / n_target
+                        del logits  # freed by backward, not kept alive into the next forward
                         loss.backward()  # the same loss on every rank: no scaling by the world size
                         loss_sum += loss.detach()
                     sync_replicated_grads(replicated, group)
@@ -404,10 +343,7 @@ def main() -> None:
                 # The global norm: the sharded tensors' squares summed over ranks, the replicated ones counted once.
                 # Its one scalar all-reduce is outside the accounting, like the metrics' own.
                 grad_norm = run.clip_grads_over_ranks(trainable, args.max_grad_norm, group, replicated)
-                optimizer.step()
-                lr = scheduler.get_last_lr()[0]  # the rate this step ran at (step() sets the next one's)
-                scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+                lr = run.optimizer_step(optimizer, scheduler)  # AdamW on this rank's slices; the rate it ran at
             # The step's one host sync: every device scalar the metrics need, copied together.
             loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
             step_comm = recorder.take()
@@ -448,7 +384,7 @@ def main() -> None:
         note=metrics.memory_note(device),
         sequence_parallel=args.sequence_parallel,
         replicated_lora_grad_bytes=replicated_bytes,
-        theory_comm_by_kind_per_step=(theory := collective_theory(config, args, log.rows, replicated_bytes)),
+        theory_comm_by_kind_per_step=(theory := comm.tp_sp_collective_theory(config, args, log.rows, replicated_bytes)),
         theory_comm_bytes_per_step=sum(theory.values()),
         **comm.summarize(log.rows),
         comm_note="per optimizer step, every torch.distributed collective inside the step (ftkit/comm.py): "
