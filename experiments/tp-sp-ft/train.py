@@ -127,18 +127,27 @@ class ReduceScatterSeqFromTP(torch.autograd.Function):
         return _all_gather_seq(grad, ctx.group), None
 
 
-class ScatterSeq(ReduceScatterSeqFromTP):
-    """Into the sequence-parallel region (before layer 0): keep this rank's tokens; backward is g-bar's all-gather."""
+class ScatterSeq(torch.autograd.Function):
+    """Into the sequence-parallel region (before layer 0): keep this rank's tokens; backward all-gathers."""
 
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
         return _local_seq(x, group)
 
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_seq(grad, ctx.group), None
 
-class GatherSeq(GatherSeqToTP):
-    """Out of the sequence-parallel region (after the final norm): g's all-gather; every rank then computes the same
+
+class GatherSeq(torch.autograd.Function):
+    """Out of the sequence-parallel region (after the final norm): all-gather; every rank then computes the same
     logits and loss, so the gradient arriving here is the same on every rank and backward keeps this rank's part."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_gather_seq(x, group)
 
     @staticmethod
     def backward(ctx, grad):
