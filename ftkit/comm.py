@@ -241,6 +241,18 @@ def ring_wire_bytes(kind: str, size: float, world: int) -> float:
     return factor[kind] * size
 
 
+def fsdp_theory(
+    param_bytes: int, layer_unit_bytes: int, micro_steps: int, reshard_after_forward: bool, grad_bytes: int
+) -> dict[str, int]:
+    """Bytes FSDP2 sends per optimizer step (experiments/fsdp-ft), of the full (gathered) buffers: every unit is
+    all-gathered once per micro-step forward (`param_bytes`: all of them, in --param-dtype), and the layer units
+    (`layer_unit_bytes`) once more per backward when they were resharded after forward; the trainable (LoRA)
+    gradients (`grad_bytes`, in --reduce-dtype) are reduce-scattered once, at the micro-step that syncs (frozen
+    weights have no gradient and send nothing). The ring puts (N-1)/N of each on the wire (`ring_wire_bytes`)."""
+    gathered = param_bytes + (layer_unit_bytes if reshard_after_forward else 0)
+    return {"all_gather": micro_steps * gathered, "reduce_scatter": grad_bytes}
+
+
 def tp_all_reduce_theory(config, args, rows: list[dict], key: str = "comm") -> float:
     """Bytes per sampled step that tp-ft's LoRA-aware DTensor plan all-reduces (experiments/tp-ft; fsdp-tp-ft on
     its `tp` dimension), from each sampled step's activation bytes (rows with a `key` entry). Per micro-batch and

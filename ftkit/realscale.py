@@ -16,7 +16,9 @@ defaults), on a synthetic batch of full-length sequences. Measured on rank 0:
 - FLOPs per optimizer step from `torch.utils.flop_counter.FlopCounterMode`, without activation checkpointing's
   recompute (`flops_counted`, what the MFU convention counts) and with it, beside the convention's formula
   (`ftkit.metrics.step_flops`), by component;
-- the fraction of matmul FLOPs (matmuls and attention) whose operands are bf16.
+- the fraction of matmul FLOPs (matmuls and attention) whose operands are bf16;
+- bytes per collective kind in the counted step, recorded as the script records them (`ftkit.comm`), beside the
+  script's own theory for the same micro-steps (fsdp, tp, tp-sp).
 
 These are tracked on fake tensors at Qwen3-4B's shape: they exclude the CUDA context, NCCL buffers and allocator
 fragmentation, and the tensors live on the CPU device (faking CUDA fails at FSDP2's CUDA streams), so CPU-only
@@ -36,12 +38,16 @@ from unittest import mock
 
 import torch
 
-from ftkit import data, memory, metrics, models, run
+from ftkit import comm, data, memory, metrics, models, run
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {"single": "single-gpu-ft", "ddp": "ddp-ft", "fsdp": "fsdp-ft", "tp": "tp-ft", "tp-sp": "tp-sp-ft"}
 NOT_YET = ("pp",)
 TENSOR_PARALLEL = ("tp", "tp-sp")  # every rank runs every sequence
+# How each script records its collectives (ftkit/comm.py), so this command records what the script's summary
+# reports: FSDP2's and tp-sp-ft's through torch.distributed's functions, tp-ft's DTensor redistributions as
+# functional collectives.
+RECORDING = {"fsdp": comm.recording, "tp": comm.recording_functional, "tp-sp": comm.recording}
 LABEL = (
     "tracked on fake tensors at Qwen3-4B's shape; excludes the CUDA context, NCCL buffers and allocator fragmentation"
 )
@@ -392,11 +398,15 @@ def measure(opts: argparse.Namespace) -> dict:
             for _ in range(opts.steps):
                 optimizer_step_of_micro_steps(tracker)
         # ---- one more optimizer step, its FLOPs counted (not inside the memory tracker: under both, the tracker
-        # reported tens of GiB of temporaries that it does not report alone).
+        # reported tens of GiB of temporaries that it does not report alone) and its collectives recorded.
         dtypes = MatmulDtypes(config.vocab_size)
         counter = FlopCounterMode(display=False)
-        with dtypes, counter:
+        recorder = comm.CommRecorder(device)
+        recording = RECORDING[technique](recorder) if technique in RECORDING else contextlib.nullcontext()
+        with dtypes, counter, recording:
             optimizer_step_of_micro_steps()
+        recorded = {kind: {"bytes": s["bytes"], "count": s["count"]} for kind, s in recorder.take().items()}
+        theory = collective_theory(technique, model, args, counts, mb, runs, replicated)
         peak = tracker.get_tracker_snapshot("peak")
     elapsed = time.perf_counter() - started
 
@@ -488,11 +498,55 @@ def measure(opts: argparse.Namespace) -> dict:
             if technique in TENSOR_PARALLEL
             else ""
         ),
+        **collectives_report(technique, recorded, theory, runs),
         "bf16_matmul_fraction": dtypes.by_dtype.get("bfloat16", 0) / matmul_total if matmul_total else None,
         "matmul_flops_by_dtype": {k: v * scale for k, v in sorted(dtypes.by_dtype.items())},
         "stand_ins": stand_ins,
         "versions": metrics.versions(),
         "seconds": round(elapsed, 1),
+    }
+
+
+def collective_theory(technique: str, model, args, counts: dict, mb: dict, micro_steps: int, replicated: list):
+    """The bytes per collective kind that the script's summary states as theory (`theory_*`), for an optimizer
+    step of `micro_steps` micro-batches like `mb`, from the same functions (ftkit/comm.py)."""
+    if technique == "fsdp":
+        from torch.distributed.fsdp import FSDPModule
+
+        itemsize = run.torch_dtype(args.param_dtype).itemsize
+        layer_units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
+        return comm.fsdp_theory(
+            (counts["trainable"] + counts["frozen"]) * itemsize,
+            sum(p.numel() * itemsize for unit in layer_units for p in unit.parameters()),
+            micro_steps,
+            args.reshard_after_forward,
+            counts["trainable"] * run.torch_dtype(args.reduce_dtype).itemsize,
+        )
+    # The TP scripts' row: the step's block-boundary activations [micro, seq, hidden], summed over its micro-batches.
+    hidden = model.config.hidden_size
+    row = {
+        "comm": {},
+        "activation_bytes": micro_steps * mb["input_ids"].numel() * hidden * run.torch_dtype(args.dtype).itemsize,
+    }
+    if technique == "tp":
+        return {"all_reduce": comm.tp_all_reduce_theory(model.config, args, [row])}
+    if technique == "tp-sp":
+        return comm.tp_sp_collective_theory(model.config, args, [row], comm.nbytes(replicated))
+    return {}
+
+
+def collectives_report(technique: str, recorded: dict, theory: dict, micro_steps: int) -> dict:
+    """The counted step's collectives beside the theory, or why there are none to show."""
+    if technique not in RECORDING:
+        why = "one device: no collectives" if technique == "single" else "DDP runs as a stand-in (no all-reduce)"
+        return {"collectives_note": why}
+    return {
+        "collective_bytes": {kind: int(s["bytes"]) for kind, s in sorted(recorded.items())},
+        "collective_counts": {kind: int(s["count"]) for kind, s in sorted(recorded.items())},
+        "collective_bytes_theory": {kind: float(b) for kind, b in sorted(theory.items()) if b},
+        "collectives_note": f"the counted optimizer step ({micro_steps} micro-steps), recorded as the script "
+        "records them (ftkit/comm.py): bytes of the whole buffer each collective was given on rank 0 (the fake "
+        "group returns at once, so no time); theory: the script's own formula for the same micro-steps",
     }
 
 

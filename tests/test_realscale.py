@@ -153,6 +153,31 @@ def test_tp_flops_are_each_ranks_share(tp_world2):
     assert tp_world2["bf16_matmul_fraction"] >= 0.98
 
 
+def test_fsdp_collectives_are_the_scripts_theory_to_the_byte(fsdp_world2):
+    """FSDP2's all-gathers and reduce-scatters in the counted optimizer step (4 micro-steps), recorded as fsdp-ft
+    records them, are what fsdp-ft's summary states as theory (`comm.fsdp_theory`): every unit gathered in bf16
+    once per forward and the layers again per backward, the LoRA gradients reduce-scattered once in fp32."""
+    recorded, theory = fsdp_world2["collective_bytes"], fsdp_world2["collective_bytes_theory"]
+    assert set(recorded) == {"all_gather", "reduce_scatter"} and all(recorded.values())
+    assert recorded == theory
+    assert fsdp_world2["collective_counts"]["reduce_scatter"] == 2  # one per layer unit; the root has no LoRA
+
+
+def test_tp_collectives_are_the_scripts_theory_to_the_byte(tp_world2):
+    """tp-ft's all-reduces (DTensor's, recorded as functional collectives) and tp-sp-ft's all-gathers,
+    reduce-scatters and LoRA-gradient all-reduce, in the counted step at Qwen3-4B's widths, are what each script's
+    summary states as theory (`comm.tp_all_reduce_theory`, `comm.tp_sp_collective_theory`, Korthikanti et al.
+    2022). tp-sp-ft's clip adds the gradient norm's all-reduce: one fp32 scalar."""
+    recorded, theory = tp_world2["collective_bytes"], tp_world2["collective_bytes_theory"]
+    if tp_world2["technique"] == "tp":
+        assert set(recorded) == {"all_reduce"} and recorded == theory
+    else:
+        assert set(recorded) == {"all_gather", "reduce_scatter", "all_reduce"}
+        assert recorded["all_gather"] == theory["all_gather"] > 0
+        assert recorded["reduce_scatter"] == theory["reduce_scatter"] > 0
+        assert recorded["all_reduce"] == theory["all_reduce"] + 4
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [

@@ -359,8 +359,13 @@ def main() -> None:
         save_adapter(run_dir / "adapter")
     if rank != 0:
         return
-    itemsize = run.torch_dtype(args.param_dtype).itemsize
-    trainable_numel = counts["trainable"]
+    theory = comm.fsdp_theory(
+        (counts["trainable"] + counts["frozen"]) * run.torch_dtype(args.param_dtype).itemsize,
+        sum(unit_bytes[:-1]),
+        accum,
+        args.reshard_after_forward,
+        counts["trainable"] * run.torch_dtype(args.reduce_dtype).itemsize,
+    )
     summary = log.run_summary(
         last_step,
         predicted=metrics.predicted_memory(
@@ -372,16 +377,9 @@ def main() -> None:
         # all-gathered at once (in --param-dtype).
         param_shard_bytes=param_bytes,
         largest_unit_bytes=max(unit_bytes),
-        # What theory says FSDP2 sends per optimizer step, bytes of the full (gathered) buffers: every unit is
-        # all-gathered once per micro-step forward, and the layer units once more per backward when they were
-        # resharded after forward; the trainable (LoRA) gradients are reduce-scattered once (frozen weights have
-        # no gradient and send nothing). The ring puts (N-1)/N of each on the wire.
-        theory_all_gather_bytes=accum
-        * (
-            (counts["trainable"] + counts["frozen"]) * itemsize
-            + (sum(unit_bytes[:-1]) if args.reshard_after_forward else 0)
-        ),
-        theory_reduce_scatter_bytes=trainable_numel * run.torch_dtype(args.reduce_dtype).itemsize,
+        # What theory says FSDP2 sends per optimizer step, bytes of the full (gathered) buffers (`comm.fsdp_theory`)
+        theory_all_gather_bytes=theory["all_gather"],
+        theory_reduce_scatter_bytes=theory["reduce_scatter"],
         **comm.summarize(log.rows),
         comm_note="per optimizer step, FSDP2's all-gathers and reduce-scatters as recorded around "
         "torch.distributed (ftkit/comm.py): bytes of the full buffers; the grad-norm all-reduce (DTensor's "
