@@ -30,8 +30,9 @@ What is recorded, per kind of collective:
   made to wait for the collective.
 
 The training scripts keep their own metric reductions (a loss scalar per step, the eval sums) out of the
-accounting, so the numbers are the technique's traffic. The tensor-parallel scripts' summaries set it beside what
-theory says they send (`tp_all_reduce_theory`, `tp_sp_collective_theory`).
+accounting, so the numbers are the technique's traffic. The FSDP and tensor-parallel scripts' summaries set it
+beside what theory says they send (`fsdp_theory`, `tp_all_reduce_theory`, `tp_sp_collective_theory`), and
+`ftkit.realscale` checks the same functions at Qwen3-4B's widths.
 """
 
 from __future__ import annotations
