@@ -18,7 +18,7 @@ defaults), on a synthetic batch of full-length sequences. Measured on rank 0:
   (`ftkit.metrics.step_flops`), by component;
 - the fraction of matmul FLOPs (matmuls and attention) whose operands are bf16;
 - bytes per collective kind in the counted step, recorded as the script records them (`ftkit.comm`), beside the
-  script's own theory for the same micro-steps (fsdp, tp, tp-sp).
+  script's own theory for the same micro-steps (ddp, fsdp, tp, tp-sp).
 
 These are tracked on fake tensors at Qwen3-4B's shape: they exclude the CUDA context, NCCL buffers and allocator
 fragmentation, and the tensors live on the CPU device (faking CUDA fails at FSDP2's CUDA streams), so CPU-only
@@ -58,7 +58,7 @@ ANSWER_TOKENS = 256
 PASSED_ON = ("micro_batch_size", "max_length", "batch_size", "lora_rank", "lora_alpha", "lora_dropout")
 
 
-DDP_BUCKETS = "DDP gradient buckets (stand-in)"
+DDP_BUCKETS = "DDP gradient buckets (added: untracked)"
 
 
 class RealScaleError(RuntimeError):
@@ -336,9 +336,10 @@ def measure(opts: argparse.Namespace) -> dict:
         )
     with FakeTensorMode(allow_non_fake_inputs=True), cuda_dropout(), causal_mask_skipped(not padded):
         materialise(model, device)
+        recorder = comm.CommRecorder(device)
         buckets = 0
         if technique == "ddp":
-            model, buckets = wrap_ddp(model, args, stand_ins)
+            model, buckets = wrap_ddp(model, args, recorder, stand_ins)
         ddp = hasattr(model, "no_sync")
         trainable = [p for p in model.parameters() if p.requires_grad]
         replicated = script.replicated_lora(model) if technique == "tp-sp" else []
@@ -401,7 +402,7 @@ def measure(opts: argparse.Namespace) -> dict:
         # reported tens of GiB of temporaries that it does not report alone) and its collectives recorded.
         dtypes = MatmulDtypes(config.vocab_size)
         counter = FlopCounterMode(display=False)
-        recorder = comm.CommRecorder(device)
+        recorder.take()  # only the counted step's collectives
         recording = RECORDING[technique](recorder) if technique in RECORDING else contextlib.nullcontext()
         with dtypes, counter, recording:
             optimizer_step_of_micro_steps()
@@ -522,6 +523,8 @@ def collective_theory(technique: str, model, args, counts: dict, mb: dict, micro
             args.reshard_after_forward,
             counts["trainable"] * run.torch_dtype(args.reduce_dtype).itemsize,
         )
+    if technique == "ddp":  # ddp-ft's summary: the trainable gradients, once per optimizer step (no_sync before)
+        return {"all_reduce": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)}
     # The TP scripts' row: the step's block-boundary activations [micro, seq, hidden], summed over its micro-batches.
     hidden = model.config.hidden_size
     row = {
@@ -537,14 +540,13 @@ def collective_theory(technique: str, model, args, counts: dict, mb: dict, micro
 
 def collectives_report(technique: str, recorded: dict, theory: dict, micro_steps: int) -> dict:
     """The counted step's collectives beside the theory, or why there are none to show."""
-    if technique not in RECORDING:
-        why = "one device: no collectives" if technique == "single" else "DDP runs as a stand-in (no all-reduce)"
-        return {"collectives_note": why}
+    if technique == "single":
+        return {"collectives_note": "one device: no collectives"}
     return {
         "collective_bytes": {kind: int(s["bytes"]) for kind, s in sorted(recorded.items())},
         "collective_counts": {kind: int(s["count"]) for kind, s in sorted(recorded.items())},
         "collective_bytes_theory": {kind: float(b) for kind, b in sorted(theory.items()) if b},
-        "collectives_note": f"the counted optimizer step ({micro_steps} micro-steps), recorded as the script "
+        "collectives_note": f"the counted optimizer step (micro-steps: {micro_steps}), recorded as the script "
         "records them (ftkit/comm.py): bytes of the whole buffer each collective was given on rank 0 (the fake "
         "group returns at once, so no time); theory: the script's own formula for the same micro-steps",
     }
@@ -605,38 +607,63 @@ def cuda_dropout():
         yield
 
 
-def wrap_ddp(model, args, stand_ins: list[str]):
-    """experiments/ddp-ft/train.py's DDP wrapper, if it can be built on fake tensors; (model, stand-in bytes)."""
+class NoBucketRebuild:
+    """DDP's reducer, as DDP's Python side calls it, with the bucket rebuild answered "not rebuilt"."""
+
+    def __init__(self, reducer):
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str):
+        return getattr(self._reducer, name)
+
+
+def wrap_ddp(model, args, recorder: comm.CommRecorder, stand_ins: list[str]):
+    """experiments/ddp-ft/train.py's DDP wrapper, built on fake tensors, its buckets' all-reduces recorded as
+    `comm.register_ddp_hook` records them; (model, the bucket bytes the memory tracker does not see)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    try:
-        wrapped = DDP(
-            model,
-            device_ids=None,
-            bucket_cap_mb=args.bucket_cap_mb,
-            find_unused_parameters=args.find_unused_parameters,
-            gradient_as_bucket_view=args.gradient_as_bucket_view,
-            static_graph=args.static_graph,
-            forward_sync_buffers=False,
-        )
-        return wrapped, 0
-    except RuntimeError as e:
-        reason = str(e).strip().splitlines()[0]
+    wrapped = DDP(
+        model,
+        device_ids=None,
+        bucket_cap_mb=args.bucket_cap_mb,
+        find_unused_parameters=args.find_unused_parameters,
+        gradient_as_bucket_view=args.gradient_as_bucket_view,
+        static_graph=args.static_graph,
+        forward_sync_buffers=False,
+        init_sync=False,  # no check or broadcast of the parameters across ranks: fake tensors have no data to send
+    )
+
+    def hook(state, bucket):  # the fake group's all-reduce future carries no tensor: return the bucket as it is
+        buffer = bucket.buffer()
+        recorder.completed("all_reduce", recorder.issued("all_reduce", comm.nbytes(buffer)))
+        future = torch.futures.Future()
+        future.set_result(buffer)
+        return future
+
+    wrapped.register_comm_hook(None, hook)
+    # After the first backward DDP rebuilds its buckets in the order the gradients arrived, copying them in C++,
+    # which cannot read a fake tensor: the buckets stay in their first order (the same bytes).
+    wrapped.reducer = NoBucketRebuild(wrapped.reducer)
     # DDP's reducer keeps one flat fp32 bucket copy of the trainable gradients for the whole run (none with
-    # --gradient-as-bucket-view, where the gradients are views into the buckets).
+    # --gradient-as-bucket-view, where the gradients are views into the buckets); its C++ constructor allocates
+    # them before the tracker starts, so they are added.
     buckets = (
         0
         if args.gradient_as_bucket_view
         else sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     )
     stand_ins.append(
-        f"DDP cannot be constructed on fake tensors (its constructor checks the parameters across ranks and reads "
-        f"their data: {reason!r}). Stand-in: the replica runs unwrapped, with rank 0's micro-batches and "
-        f"accumulation as under DDP and no all-reduce, and DDP's gradient buckets ({buckets:,} bytes: one fp32 "
-        "copy of the trainable gradients, resident from construction on) are added to the tracked peak as the "
-        f"category '{DDP_BUCKETS}'"
+        "DDP is built without its start-up check and broadcast of the parameters across ranks (init_sync=False: "
+        "fake tensors have no data); its comm hook records each bucket's bytes as ftkit/comm.py's does and returns "
+        "the bucket as it is (the fake group's all-reduce future carries no tensor); the buckets are not rebuilt in "
+        f"the gradients' arrival order after the first backward (a C++ copy of their data); its buckets ({buckets:,} "
+        "bytes: one fp32 copy of the trainable gradients, allocated at construction, before the memory tracker "
+        f"starts) are added to the tracked peak as the category '{DDP_BUCKETS}'"
     )
-    return model, buckets
+    return wrapped, buckets
 
 
 def make_tracker(technique: str, model, optimizer, mb: dict):

@@ -178,6 +178,21 @@ def test_tp_collectives_are_the_scripts_theory_to_the_byte(tp_world2):
         assert recorded["all_reduce"] == theory["all_reduce"] + 4
 
 
+def test_ddp_runs_wrapped_and_all_reduces_the_lora_gradients_once():
+    """ddp-ft's DDP wrapper on fake tensors (world 2, one decoder layer, one micro-step per rank): the tracked peak
+    (with the reducer's fp32 buckets, allocated before the tracker starts) within 2% of the memory model, and one
+    all-reduce of the trainable gradients per optimizer step, as ddp-ft's summary states."""
+    proc = run_script("-m", "ftkit.realscale", "--technique", "ddp", *TP_RUN, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    buckets = result["categories"][realscale.DDP_BUCKETS]
+    assert buckets == result["parameters"]["trainable"] * 4
+    assert result["tracked_over_predicted"] == pytest.approx(1, abs=0.02)
+    assert result["collective_bytes"] == result["collective_bytes_theory"] == {"all_reduce": buckets}
+    assert result["collective_counts"] == {"all_reduce": 1}
+    assert any("init_sync=False" in s for s in result["stand_ins"])
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
