@@ -395,12 +395,22 @@ class GlobalBatches:
         """This rank's micro-batches of step `step`. Micro-step j of rank r takes the slice
         [(j*world + r)*m, (j*world + r + 1)*m) of the sorted global batch, so the ranks' micro-batches at one
         micro-step have similar lengths and their union over ranks and micro-steps is the global batch."""
-        accum = accumulation_steps(self.batch_size, micro_batch_size, world)
+        return [collate([self.data[i] for i in mb]) for mb in self._micro_indices(step, micro_batch_size, rank, world)]
+
+    def padded_tokens(self, step: int, micro_batch_size: int, rank: int = 0, world: int = 1, multiple: int = 1) -> int:
+        """Positions, padding included, of this rank's micro-batches of step `step` as `micro_batches` collates them
+        (each right-padded to its longest row, then to a multiple of `multiple`: `pad_to_multiple`): the
+        [micro, seq] extent of the step's activations, known on the host."""
+        return sum(
+            len(mb) * -(-max(len(self.data[i].input_ids) for i in mb) // multiple) * multiple
+            for mb in self._micro_indices(step, micro_batch_size, rank, world)
+        )
+
+    def _micro_indices(self, step: int, m: int, rank: int, world: int) -> list[list[int]]:
         idx = self.indices(step)
-        m = micro_batch_size
         return [
-            collate([self.data[i] for i in idx[(j * world + rank) * m : (j * world + rank + 1) * m]])
-            for j in range(accum)
+            idx[(j * world + rank) * m : (j * world + rank + 1) * m]
+            for j in range(accumulation_steps(self.batch_size, m, world))
         ]
 
 

@@ -524,7 +524,7 @@ def collective_theory(technique: str, model, args, counts: dict, mb: dict, micro
             counts["trainable"] * run.torch_dtype(args.reduce_dtype).itemsize,
         )
     if technique == "ddp":  # ddp-ft's summary: the trainable gradients, once per optimizer step (no_sync before)
-        return {"all_reduce": sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)}
+        return {"all_reduce": comm.nbytes([p for p in model.parameters() if p.requires_grad])}
     # The TP scripts' row: the step's block-boundary activations [micro, seq, hidden], summed over its micro-batches.
     hidden = model.config.hidden_size
     row = {
@@ -650,11 +650,7 @@ def wrap_ddp(model, args, recorder: comm.CommRecorder, stand_ins: list[str]):
     # DDP's reducer keeps one flat fp32 bucket copy of the trainable gradients for the whole run (none with
     # --gradient-as-bucket-view, where the gradients are views into the buckets); its C++ constructor allocates
     # them before the tracker starts, so they are added.
-    buckets = (
-        0
-        if args.gradient_as_bucket_view
-        else sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    )
+    buckets = 0 if args.gradient_as_bucket_view else comm.nbytes([p for p in model.parameters() if p.requires_grad])
     stand_ins.append(
         "DDP is built without its start-up check and broadcast of the parameters across ranks (init_sync=False: "
         "fake tensors have no data); its comm hook records each bucket's bytes as ftkit/comm.py's does and returns "

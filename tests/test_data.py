@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 import shutil
 
 import pytest
@@ -210,6 +211,25 @@ def test_rank_shards_union_is_the_global_batch(encoded, world, micro):
         assert sorted(x for r in range(world) for x in rows(shards[r])) == single
         n_target = sum(int((mb["labels"] != data.IGNORE_INDEX).sum()) for s in shards for mb in s)
         assert n_target == batches.n_target(step)
+
+
+@pytest.mark.parametrize("world,micro,multiple", [(1, 2, 1), (1, 2, 4), (1, 4, 3), (2, 2, 1), (2, 1, 2)])
+def test_padded_tokens_are_the_collated_micro_batches(world, micro, multiple):
+    """The TP scripts' comm theory takes the step's [micro, seq] extent from `padded_tokens`, on the host: it is
+    what the micro-batches hold once collated and padded to the multiple (tp-sp-ft's `pad_to_multiple`)."""
+    rng = random.Random(0)
+    lengths = [rng.randrange(5, 40) for _ in range(24)]
+    examples = [
+        data.Encoded(input_ids=[1] * n, labels=[data.IGNORE_INDEX] * (n - 1) + [1], trimmed=False) for n in lengths
+    ]
+    batches = data.GlobalBatches(examples, 8, seed=2)
+    for step in range(3):
+        for rank in range(world):
+            mbs = [data.pad_to_multiple(mb, multiple) for mb in batches.micro_batches(step, micro, rank, world)]
+            held = sum(mb["input_ids"].numel() for mb in mbs)
+            assert batches.padded_tokens(step, micro, rank, world, multiple) == held
+            if micro > 1:  # rows of different lengths: the collated micro-batches hold padding
+                assert held > sum(sum(mb["lengths"]) for mb in mbs)
 
 
 def test_answer_only_loss_equals_the_full_vocabulary_loss(encoded, tokenizer):

@@ -147,7 +147,6 @@ def main() -> None:
     # each bucket's bytes and time for the metrics (ftkit/comm.py).
     recorder = comm.CommRecorder(device)
     comm.register_ddp_hook(model, recorder)
-    grad_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = run.adamw_cosine(trainable, args)
@@ -262,7 +261,7 @@ def main() -> None:
         note=metrics.memory_note(device),
         # What theory says DDP sends per optimizer step: the trainable gradients, once (once per micro-step with
         # --sync-every-micro-step), in bytes of the buffer; a ring all-reduce puts 2(N-1)/N of that on the wire.
-        trainable_grad_bytes=grad_bytes,
+        trainable_grad_bytes=comm.nbytes(trainable),
         syncs_per_step=accum if args.sync_every_micro_step else 1,
         **comm.summarize(log.rows),
         comm_note="per optimizer step, DDP's gradient all-reduces as the comm hook saw them (ftkit/comm.py): "

@@ -117,6 +117,7 @@ def main() -> None:
     # is non-reentrant, inside each layer's forward: FSDP's hooks stay outside, the TP collectives are recomputed.
     model = run.load_lora_model(args, dtype, device, len(tokenizer))
     config = model.config
+    token_bytes = config.hidden_size * dtype.itemsize  # a token's activation between blocks, for the comm theory
     peft_config = model.peft_config["default"]
     n_lora = models.parameter_counts(model)["trainable"]  # the whole adapter, for the FLOP count
     # ---- TP first, on the `tp` dimension: each layer's projections and adapters become DTensors split as tp-ft
@@ -166,7 +167,6 @@ def main() -> None:
             metrics.reset_peak_memory(device)
             n_target = batches.n_target(step)  # the whole global batch's target tokens, on every rank
             loss_sum = torch.zeros((), device=device)
-            activation_elems = 0
             evals = (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps
             sampled = step == start_step or evals  # the TP dispatch mode costs Python work per op: sampled steps
             micro_batches = batches.micro_batches(step, args.micro_batch_size, rank=dp_rank, world=dp)
@@ -175,7 +175,6 @@ def main() -> None:
                 with comm.recording(dp_recorder), tp_recording:
                     for j, mb in enumerate(micro_batches):
                         mb = data.to_device(mb, device)
-                        activation_elems += mb["input_ids"].numel() * config.hidden_size
                         model.set_requires_gradient_sync(j == len(micro_batches) - 1)  # reduce-scatter once
                         logits = models.answer_logits(model, mb)
                         loss = data.token_loss_sum(logits, mb["targets"]) / n_target
@@ -197,7 +196,7 @@ def main() -> None:
                 lengths=batches.lengths(step),
                 seconds=timer.seconds,
                 comm=dp_recorder.take(),
-                activation_bytes=activation_elems * dtype.itemsize,  # this TP group's, for the TP theory
+                activation_bytes=batches.padded_tokens(step, args.micro_batch_size, dp_rank, dp) * token_bytes,
                 **({"comm_tp": tp_recorder.take()} if sampled else {}),
             )
             if evals:

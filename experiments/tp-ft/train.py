@@ -131,6 +131,7 @@ def main() -> None:
     # is non-reentrant: backward recomputes each layer, and with it the layer's forward collectives.
     model = run.load_lora_model(args, dtype, device, len(tokenizer))
     config = model.config
+    token_bytes = config.hidden_size * dtype.itemsize  # a token's activation between blocks, for the comm theory
     # bf16 compute (autocast casts the fp32 adapter weights, DTensor shards included), fp32 master weights.
     model = models.adapters_compute_in(model, dtype)
     peft_config = model.peft_config["default"]
@@ -168,7 +169,6 @@ def main() -> None:
             metrics.reset_peak_memory(device)
             n_target = batches.n_target(step)  # the whole global batch's target tokens, on every rank
             loss_sum = torch.zeros((), device=device)
-            activation_elems = 0  # elements of the block-boundary activations, for the comm theory
             evals = (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps
             # DTensor redistributes through functional collectives, which `comm.recording` cannot see; the
             # dispatch mode that does costs Python work on every op, so it runs on sampled steps only.
@@ -177,7 +177,6 @@ def main() -> None:
                 with comm.recording_functional(recorder) if sampled else contextlib.nullcontext():
                     for mb in batches.micro_batches(step, args.micro_batch_size):
                         mb = data.to_device(mb, device)
-                        activation_elems += mb["input_ids"].numel() * config.hidden_size
                         try:
                             with models.compute_autocast(device, dtype):
                                 logits = models.answer_logits(model, mb)  # the lm_head on the answer positions only
@@ -209,8 +208,7 @@ def main() -> None:
                 target_tokens=n_target,
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
                 seconds=timer.seconds,
-                # the block-boundary activations [micro, seq, hidden] of the step, for the comm theory
-                activation_bytes=activation_elems * dtype.itemsize,
+                activation_bytes=batches.padded_tokens(step, args.micro_batch_size) * token_bytes,
                 **({"comm": step_comm} if sampled else {}),
             )
             if evals:

@@ -198,12 +198,12 @@ class RowParallelLoRALinear(ParallelLoRALinear):
     is applied before the sum and the adapter rides on the base layer's one reduction (g, or g-bar under SP):
     no collective of its own. B's gradient s (X_i A_i^T)^T dZ is rank i's share: all-reduced once per step."""
 
-    def __init__(self, peft_linear, tp: int, rank: int, exit_block):
+    def __init__(self, peft_linear, tp: int, rank: int, exit_block: type[torch.autograd.Function], group):
         super().__init__(peft_linear, tp, rank, split={"W": 1, "A": 1, "B": None})
-        self.exit_block = exit_block
+        self.exit_block, self.group = exit_block, group  # g, or g-bar under SP
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.exit_block(super().forward(x))
+        return self.exit_block.apply(super().forward(x), self.group)
 
 
 def parallelize(model, tp: int, rank: int, group, sequence_parallel: bool) -> None:
@@ -211,13 +211,6 @@ def parallelize(model, tp: int, rank: int, group, sequence_parallel: bool) -> No
     of the attention and the MLP. The model stays a Qwen3ForCausalLM; `model` is the PEFT-wrapped one, whose
     LoRA initialisation (seeded like every other experiment's) the parallel linears take over."""
     into, out_of = (GatherSeqToTP, ReduceScatterSeqFromTP) if sequence_parallel else (CopyToTP, ReduceFromTP)
-
-    def enter(x):
-        return into.apply(x, group)
-
-    def exit_block(x):
-        return out_of.apply(x, group)
-
     for layer in model.base_model.model.model.layers:
         for block, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (layer.mlp, None)):
             for name in names or ("gate_proj", "up_proj", "down_proj"):
@@ -225,13 +218,13 @@ def parallelize(model, tp: int, rank: int, group, sequence_parallel: bool) -> No
                 if name in COLUMN:
                     setattr(block, name, ColumnParallelLoRALinear(old, tp, rank))
                 else:
-                    setattr(block, name, RowParallelLoRALinear(old, tp, rank, exit_block))
+                    setattr(block, name, RowParallelLoRALinear(old, tp, rank, out_of, group))
         # One entry collective per block, shared by q/k/v (by gate/up), as in Megatron: a pre-hook on the block.
         layer.self_attn.register_forward_pre_hook(
-            lambda mod, args, kwargs: (args, {**kwargs, "hidden_states": enter(kwargs["hidden_states"])}),
+            lambda mod, args, kwargs: (args, {**kwargs, "hidden_states": into.apply(kwargs["hidden_states"], group)}),
             with_kwargs=True,
         )
-        layer.mlp.register_forward_pre_hook(lambda mod, args: (enter(args[0]),))
+        layer.mlp.register_forward_pre_hook(lambda mod, args: (into.apply(args[0], group),))
     inner = model.base_model.model.model
     if sequence_parallel:
         # The embedding, the rotary cos/sin and the causal mask are computed for the whole sequence before layer 0;
@@ -289,17 +282,15 @@ def main() -> None:
     # ---- data: every rank builds the same global batches and runs all of them (rank 0 of a world of 1).
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
     batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
-    # Sequence parallelism splits the sequence into equal parts: every micro-batch is right-padded to a multiple
-    # of the TP degree (masked out of attention and of the loss, so the step is unchanged).
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
-    eval_batches = [data.pad_to_multiple(mb, tp) for mb in eval_batches]
+    eval_batches = [data.pad_to_multiple(mb, tp) for mb in eval_batches]  # as every training micro-batch, below
 
     # ---- model: the whole bf16 base and the PEFT LoRA are built on every rank (the same seed, the same init),
     # then each rank keeps its slices. A real-size run would load only its shard; here clarity wins. Checkpointing
     # is non-reentrant: backward recomputes each layer, and with it the layer's forward collectives.
     model = run.load_lora_model(args, dtype, device, len(tokenizer))
     config = model.config
-    peft_config = model.peft_config["default"]
+    token_bytes = config.hidden_size * dtype.itemsize  # a token's activation between blocks, for the comm theory
     n_lora = models.parameter_counts(model)["trainable"]  # the whole adapter, for the FLOP count
     # ---- tensor parallel: the projections become column/row-parallel linears holding this rank's slices. The
     # norms are untouched: frozen, replicated, and (under SP) run on this rank's tokens.
@@ -307,7 +298,6 @@ def main() -> None:
     counts = models.parameter_counts(model)
     run.print0(f"parameters on this rank: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
     replicated = replicated_lora(model)
-    replicated_bytes = comm.nbytes(replicated)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = run.adamw_cosine(trainable, args)
@@ -333,12 +323,12 @@ def main() -> None:
             metrics.reset_peak_memory(device)
             n_target = batches.n_target(step)  # the whole global batch's target tokens, on every rank
             loss_sum = torch.zeros((), device=device)
-            activation_elems = 0  # elements of the block-boundary activations, for the comm theory
             with metrics.StepTimer(device) as timer:
                 with comm.recording(recorder):  # the technique's traffic: the blocks' collectives + the LoRA sync
                     for mb in batches.micro_batches(step, args.micro_batch_size):
+                        # Sequence parallelism splits the sequence into equal parts: right-padded to a multiple of
+                        # the TP degree (masked out of attention and of the loss, so the step is unchanged).
                         mb = data.to_device(data.pad_to_multiple(mb, tp), device)
-                        activation_elems += mb["input_ids"].numel() * config.hidden_size
                         local_seq = mb["input_ids"].shape[1] // (tp if args.sequence_parallel else 1)
                         with saved.first_forward(tokens=mb["input_ids"].shape[0] * local_seq):
                             logits = models.answer_logits(model, mb)  # the lm_head on the answer positions only
@@ -355,7 +345,6 @@ def main() -> None:
                 lr = run.optimizer_step(optimizer, scheduler)  # AdamW on this rank's slices; the rate it ran at
             # The step's one host sync: every device scalar the metrics need, copied together.
             loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
-            step_comm = recorder.take()
             row = log.row(
                 step=step + 1,
                 loss=loss_value,  # every rank computed the whole batch's loss
@@ -364,8 +353,8 @@ def main() -> None:
                 target_tokens=n_target,
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
                 seconds=timer.seconds,
-                comm=step_comm,
-                activation_bytes=activation_elems * dtype.itemsize,
+                comm=recorder.take(),
+                activation_bytes=batches.padded_tokens(step, args.micro_batch_size, multiple=tp) * token_bytes,
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
                 sums = run.eval_loss_sums(model, eval_batches, device)  # the same on every rank
@@ -384,7 +373,7 @@ def main() -> None:
     if rank != 0:
         return
     if finished:
-        run.save_adapter(run_dir / "adapter", adapter, peft_config)
+        run.save_adapter(run_dir / "adapter", adapter, model.peft_config["default"])
     if args.merge and finished:
         models.merge_adapter(args.model, args.seed, run_dir / "adapter", run_dir / "merged", len(tokenizer), dtype)
     summary = log.run_summary(
@@ -392,8 +381,10 @@ def main() -> None:
         predicted=metrics.predicted_memory(config, args, "tp-sp" if args.sequence_parallel else "tp", world_size=tp),
         note=metrics.memory_note(device),
         sequence_parallel=args.sequence_parallel,
-        replicated_lora_grad_bytes=replicated_bytes,
-        theory_comm_by_kind_per_step=(theory := comm.tp_sp_collective_theory(config, args, log.rows, replicated_bytes)),
+        replicated_lora_grad_bytes=comm.nbytes(replicated),
+        theory_comm_by_kind_per_step=(
+            theory := comm.tp_sp_collective_theory(config, args, log.rows, comm.nbytes(replicated))
+        ),
         theory_comm_bytes_per_step=sum(theory.values()),
         **comm.summarize(log.rows),
         comm_note="per optimizer step, every torch.distributed collective inside the step (ftkit/comm.py): "
