@@ -315,6 +315,7 @@ def predict(
     grad_checkpointing: bool = True,
     pp_schedule: str = "1f1b",
     num_microbatches: int | None = None,
+    pp_stage: str | None = None,
     reshard_after_forward: bool = True,
     accumulation_steps: int = 1,
 ) -> MemoryPrediction:
@@ -353,7 +354,9 @@ def predict(
       keeps; the LoRA inputs inside the blocks are the all-gathered sequence, saved whole. (Megatron-LM saves
       them sequence-sharded and all-gathers again in backward: Korthikanti et al.'s 34sbh/t.)
     - PP: GPipe keeps all m micro-batches in flight on every stage; 1F1B keeps min(m, p - k) on stage k, so
-      min(m, p) on the first and 1 on the last. num_microbatches (m) defaults to pp.
+      min(m, p) on the first and 1 on the last. num_microbatches (m) defaults to pp. pp_stage: "first" or
+      "last" predicts that stage (the first holds the embedding and the most micro-batches in flight, the last
+      the lm_head and the loss), None the busier of the two.
     - Every layer is counted alike, though layer 0 saves a little less: its input, the frozen embedding's
       output, needs no gradient, so autograd skips its first norm's input (and q/k/v dropout masks).
     """
@@ -413,6 +416,8 @@ def predict(
     m = num_microbatches or pp
     if pp_schedule not in ("gpipe", "1f1b"):
         raise ValueError(f"pp_schedule must be 'gpipe' or '1f1b', got {pp_schedule!r}")
+    if pp_stage not in (None, "first", "last") or (pp_stage is not None and pp == 1):
+        raise ValueError(f"pp_stage must be 'first' or 'last' (of pp > 1 stages) or None, got {pp_stage!r}")
 
     def stage(first: bool, last: bool) -> MemoryPrediction:
         """One pipeline stage (the whole model when pp == 1)."""
@@ -476,5 +481,7 @@ def predict(
             gathered=gathered,
         )
 
+    if pp_stage is not None:
+        return stage(pp_stage == "first", pp_stage == "last")
     candidates = [stage(True, True)] if pp == 1 else [stage(True, False), stage(False, True)]
     return max(candidates, key=lambda p: p.total)
