@@ -2,13 +2,15 @@
 
     uv run python -m ftkit.realscale --technique fsdp --world 8 --json
     uv run python -m ftkit.realscale --technique single --no-grad-checkpointing
+    uv run python -m ftkit.realscale --technique pp --world 2 --schedule gpipe --json
 
 Under `FakeTensorMode` a tensor has a shape, a dtype and a device but no storage, and the `fake` process-group
 backend lets this one process play rank 0 of a world of --world ranks (its collectives return at once). So the
 real step runs here at Qwen3-4B's exact shape (`qwen3-4b-shape`): the model built by `ftkit.models` as the
 scripts build it, parallelised by the scripts' own code (FSDP2 through experiments/fsdp-ft/train.py's
-`shard_model`), two optimizer steps of the scripts' default configuration (their own parsers give the flags and
-defaults), on a synthetic batch of full-length sequences. Measured on rank 0:
+`shard_model`; pipeline stage 0 through experiments/pp-ft/train.py's `Stage` and schedule), two optimizer
+steps of the scripts' default configuration (their own parsers give the flags and defaults), on a synthetic batch
+of full-length sequences. Measured on rank 0:
 
 - peak bytes by category, from PyTorch's memory trackers (`MemTracker`; `FSDPMemTracker` for FSDP), beside
   `ftkit.memory`'s prediction for the same configuration (as the scripts' summaries call it, at the batch's
@@ -18,7 +20,14 @@ defaults), on a synthetic batch of full-length sequences. Measured on rank 0:
   (`ftkit.metrics.step_flops`), by component;
 - the fraction of matmul FLOPs (matmuls and attention) whose operands are bf16;
 - bytes per collective kind in the counted step, recorded as the script records them (`ftkit.comm`), beside the
-  script's own theory for the same micro-steps (ddp, fsdp, tp, tp-sp).
+  script's own theory for the same micro-steps (ddp, fsdp, tp, tp-sp; pp: stage 0's sends).
+
+Pipeline parallelism (pp, --schedule gpipe or 1f1b, the two the memory model predicts): rank 0 holds stage 0, the
+embedding and the first 1/--world of the decoder layers, and runs pp-ft's schedule over the whole global batch
+(one micro-batch per --micro-batch-size rows); under 1F1B it keeps min(m, p) micro-batches in flight, the most of
+any stage. Its peak is compared with the memory model's stage 0 (`pp_stage="first"`); the busier stage the
+script's summary states, often the last (the lm_head, its copy of the tied embedding, the loss), is reported
+beside it, untracked.
 
 These are tracked on fake tensors at Qwen3-4B's shape: they exclude the CUDA context, NCCL buffers and allocator
 fragmentation, and the tensors live on the CPU device (faking CUDA fails at FSDP2's CUDA streams), so CPU-only
@@ -41,8 +50,16 @@ import torch
 from ftkit import comm, data, memory, metrics, models, run
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = {"single": "single-gpu-ft", "ddp": "ddp-ft", "fsdp": "fsdp-ft", "tp": "tp-ft", "tp-sp": "tp-sp-ft"}
-NOT_YET = ("pp",)
+SCRIPTS = {
+    "single": "single-gpu-ft",
+    "ddp": "ddp-ft",
+    "fsdp": "fsdp-ft",
+    "tp": "tp-ft",
+    "tp-sp": "tp-sp-ft",
+    "pp": "pp-ft",
+}
+# The pipeline schedules the memory model predicts (`pp_schedule`), each holding one stage per rank.
+PP_SCHEDULES = ("gpipe", "1f1b")
 TENSOR_PARALLEL = ("tp", "tp-sp")  # every rank runs every sequence
 # How each script records its collectives (ftkit/comm.py), so this command records what the script's summary
 # reports: FSDP2's and tp-sp-ft's through torch.distributed's functions, tp-ft's DTensor redistributions as
@@ -69,8 +86,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--technique", required=True, choices=[*SCRIPTS, *NOT_YET])
-    p.add_argument("--world", type=int, default=1, help="ranks; this process plays rank 0")
+    p.add_argument("--technique", required=True, choices=list(SCRIPTS))
+    p.add_argument(
+        "--world", type=int, default=1, help="ranks; this process plays rank 0 (with pp: stage 0, pipeline depth)"
+    )
+    p.add_argument(
+        "--schedule",
+        default=None,
+        help=f"pp: the pipeline schedule, one of {', '.join(PP_SCHEDULES)} (those the memory model predicts) "
+        "[default: the script's own]",
+    )
     g = p.add_argument_group("the scripts' common flags [default: the script's own default for Qwen3-4B]")
     g.add_argument("--micro-batch-size", type=int, default=None)
     g.add_argument("--max-length", type=int, default=None, help="tokens per sequence; every sequence is this long")
@@ -109,11 +134,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     opts = p.parse_args(argv)
-    if opts.technique in NOT_YET:
-        raise RealScaleError(
-            f"--technique {opts.technique} is not yet supported by ftkit.realscale (single, ddp, fsdp, tp and "
-            "tp-sp are); see issue 10"
-        )
+    if opts.technique == "pp":
+        if opts.world < 2:
+            raise RealScaleError(f"--world {opts.world}: a pipeline needs at least 2 ranks (stages)")
+        if opts.schedule is not None and opts.schedule not in PP_SCHEDULES:
+            raise RealScaleError(
+                f"--schedule {opts.schedule} is not run by ftkit.realscale: the memory model predicts "
+                f"{' and '.join(PP_SCHEDULES)} only, and the other schedules give each rank two stages"
+            )
+        if opts.micro_steps is not None:
+            raise RealScaleError(
+                "--micro-steps: a pipeline step is one schedule.step over all its micro-batches, and the "
+                "schedule's micro-batch count sets the activations in flight; set --batch-size instead"
+            )
+    elif opts.schedule is not None:
+        raise RealScaleError("--schedule is a pipeline flag: --technique pp")
     if opts.world < 1 or (opts.technique == "single" and opts.world != 1):
         raise RealScaleError(f"--world {opts.world}: single runs on one device (--world 1); the others take 1 or more")
     if opts.technique in TENSOR_PARALLEL:
@@ -135,10 +170,12 @@ def script_args(script, opts: argparse.Namespace) -> argparse.Namespace:
             argv += [f"--{key.replace('_', '-')}", str(getattr(opts, key))]
     if not opts.grad_checkpointing:
         argv.append("--no-grad-checkpointing")
+    if opts.schedule is not None:
+        argv += ["--schedule", opts.schedule]
     if opts.technique == "fsdp":
         if opts.quant == "nf4":
             argv.append("--qlora")  # the script refuses it, and says why
-    elif opts.technique in TENSOR_PARALLEL:
+    elif opts.technique in (*TENSOR_PARALLEL, "pp"):
         if opts.quant == "nf4":
             raise RealScaleError(
                 f"--quant nf4: experiments/{SCRIPTS[opts.technique]}/train.py trains LoRA on a bf16 base (no QLoRA)"
@@ -248,6 +285,13 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
             parallelize_module(layer, mesh, script.lora_aware_plan())
         for name, p in model.named_parameters():
             p.requires_grad_("lora_" in name)
+    elif technique == "pp":  # as experiments/pp-ft/train.py (run.load_lora_model): checkpointing, PEFT; its stages
+        # are cut from the model once it has storage (`pipeline`), as the script cuts them from the loaded model
+        if args.grad_checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+        model = models.adapters_compute_in(model, dtype)
+        counts = models.parameter_counts(model)
     elif technique == "tp-sp":  # as experiments/tp-sp-ft/train.py: checkpointing, PEFT, then its parallel linears
         import torch.distributed as dist
 
@@ -277,17 +321,72 @@ def materialise(model, device: torch.device) -> None:
     inner.rotary_emb = type(inner.rotary_emb)(inner.config).to(device)
 
 
+def pipeline(script, model, args, world: int, device: torch.device, microbatches: int):
+    """Rank 0's stage of experiments/pp-ft/train.py, cut from the model by the script's own `stage_layout`,
+    `rank_stages` and `Stage`, in a PipelineStage, and the script's schedule (`SCHEDULES`) over it, built as the
+    script builds them; (the Stage module, the PipelineStage, the schedule). Call after `materialise`: the Stage
+    keeps the model's rotary embedding, which materialise replaces with one whose frequencies are computed.
+
+    The PipelineStage is given its metadata (input_args, output_args), which the script's stages infer: that
+    exchanges shapes with the neighbour stages over the group, and the fake group delivers nothing. The output
+    requires grad, as the stage's output does: torch derives the metadata of the gradient the stage receives in
+    backward from it, and an output without grad gets none (stage 0's backward then fails for a missing
+    gradient).
+
+    Once an output's send completes, the stage drops its reference to it (backward starts from its autograd node),
+    but only for an output whose type is exactly torch.Tensor; a FakeTensor, a subclass, would be kept until its
+    backward, one [micro, seq, hidden] tensor per micro-batch in flight that a run on the GPU frees. Here it is
+    judged as the plain tensor it stands for (the later checks, DDP and a dw_builder, do not apply: this stage has
+    neither)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.distributed.pipelining import PipelineStage
+
+    config = model.config
+    n_stages, per_stage = script.stage_layout(config.num_hidden_layers, world, args.schedule)
+    [sid] = script.rank_stages(0, world, args.schedule)  # GPipe and 1F1B: one stage per rank (PP_SCHEDULES)
+    module = script.Stage(model.base_model.model, sid * per_stage, per_stage, first=sid == 0, last=sid == n_stages - 1)
+    rows, length = args.micro_batch_size, args.max_length
+    hidden = torch.empty(rows, length, config.hidden_size, dtype=run.torch_dtype(args.dtype), requires_grad=True)
+    stage = PipelineStage(
+        module.train(),
+        sid,
+        n_stages,
+        device,
+        input_args=torch.empty(rows, length, dtype=torch.long) if sid == 0 else hidden,
+        output_args=hidden,
+    )
+    releasable = stage._output_slot_is_releasable
+
+    def releasable_as_a_plain_tensor(output) -> tuple[bool, str]:
+        if type(output) is FakeTensor and not stage.is_last:
+            return True, ""
+        return releasable(output)
+
+    stage._output_slot_is_releasable = releasable_as_a_plain_tensor
+
+    def loss_fn(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        raise AssertionError("the schedule computes the loss on the last stage only, and this is stage 0")
+
+    # Stage 0 never computes the loss, but the schedule runs backward only when given a loss function.
+    schedule = script.SCHEDULES[args.schedule](stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
+    return module, stage, schedule
+
+
 def measure(opts: argparse.Namespace) -> dict:
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     technique, world = opts.technique, opts.world
+    pp = technique == "pp"
     script = run.load_experiment(SCRIPTS[technique])
     args = script_args(script, opts)
+    if pp:  # the script's refusal of stages that do not split the layers evenly, before the model is built
+        script.stage_layout(opts.layers or models.QWEN3_4B_CONFIG["num_hidden_layers"], world, args.schedule)
     device = torch.device("cpu")
     dtype = run.torch_dtype(args.dtype)
-    dp = 1 if technique in ("single", *TENSOR_PARALLEL) else world  # TP splits the layers, not the batch
+    # TP splits the layers, PP the depth, not the batch; PP's accumulation steps are the pipeline's micro-batches
+    dp = 1 if technique in ("single", *TENSOR_PARALLEL, "pp") else world
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=dp)
     stand_ins: list[str] = [
         "tensors on the CPU device under FakeTensorMode (faking CUDA fails at FSDP2's CUDA streams): attention is "
@@ -295,9 +394,15 @@ def measure(opts: argparse.Namespace) -> dict:
         "and autocast applies its CPU op lists",
         f"a synthetic batch: {args.micro_batch_size} x {args.max_length} random tokens per micro-batch, every "
         f"sequence full length, the last {opts.answer_tokens} positions the answer (loss and lm_head)",
-        "the training loop's step (forward, token_loss_sum, backward, AdamW step, zero_grad) is restated here "
-        "from the script, the TP scripts' gradient sync and clip called from them; the learning-rate schedule, "
-        "metrics and evaluation are left out",
+        (
+            "the training loop's step (the script's schedule.step under autocast, run.clip_grads_over_ranks, AdamW "
+            "step, zero_grad) is restated here from the script; its loss function (the last stage's) is not called "
+            "on stage 0, and the step's timers, learning-rate schedule, metrics and evaluation are left out"
+            if pp
+            else "the training loop's step (forward, token_loss_sum, backward, AdamW step, zero_grad) is restated "
+            "here from the script, the TP scripts' gradient sync and clip called from them; the learning-rate "
+            "schedule, metrics and evaluation are left out"
+        ),
     ]
     if technique != "single" and not dist.is_initialized():
         from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -307,10 +412,21 @@ def measure(opts: argparse.Namespace) -> dict:
     started = time.perf_counter()
     model, counts = build(technique, script, args, world, device, opts.layers)
     config = model.config
-    mb = synthetic_micro_batch(args.micro_batch_size, args.max_length, opts.answer_tokens, config.vocab_size)
+    # pp-ft feeds the schedule the whole global batch, which it cuts into micro-batches itself.
+    rows = args.batch_size if pp else args.micro_batch_size
+    mb = synthetic_micro_batch(rows, args.max_length, opts.answer_tokens, config.vocab_size)
+    if pp:  # pp-ft's `padded`: input ids padded to --max-length, the target packing [rows, 2, k] (positions, tokens)
+        mb["input_ids"] = torch.nn.functional.pad(mb["input_ids"], (0, args.max_length - mb["input_ids"].shape[1]))
+        mb["target"] = torch.stack([mb["logit_positions"], mb["targets"]], dim=1)
+        stand_ins[1] = (
+            f"a synthetic batch: {args.batch_size} x {args.max_length} random tokens per step, collated and padded "
+            "as pp-ft's `padded` pads them (restated here), cut by the schedule into "
+            f"{accum} micro-batches of {args.micro_batch_size}, the last {opts.answer_tokens} positions the answer "
+            "(the last stage's loss and lm_head)"
+        )
     if technique == "tp-sp":  # as tp-sp-ft pads: sequence parallelism splits the sequence into equal parts
         mb = data.pad_to_multiple(mb, world)
-    runs = min(accum, opts.micro_steps or accum)  # micro-steps run per optimizer step
+    runs = min(accum, opts.micro_steps or accum)  # micro-steps run per optimizer step (pp: in one schedule.step)
     if runs < accum:
         stand_ins.append(
             f"each optimizer step ran {runs} of its {accum} accumulation micro-steps (--micro-steps); the FLOPs "
@@ -318,11 +434,14 @@ def measure(opts: argparse.Namespace) -> dict:
             f"{accum} reach, since every micro-step after the first accumulates into the same gradients (tracked to "
             "the byte with 2 layers: 2 and 8 micro-steps, 2,260,994,684 bytes each)"
         )
-    n_target = int((mb["targets"] != data.IGNORE_INDEX).sum()) * accum * dp  # the global batch's target tokens
+    # The global batch's target tokens (pp's batch is the global one).
+    n_target = int((mb["targets"] != data.IGNORE_INDEX).sum()) * (1 if pp else accum * dp)
 
     padded = not bool(mb["attention_mask"].all())
     attention_mask = mb["attention_mask"] if padded else None
-    if not padded:
+    # pp-ft's Stage calls the decoder layers with no mask itself (causal attention alone): nothing to stand in for.
+    unmasked = not padded and not pp
+    if unmasked:
         stand_ins.append(
             "no attention mask: the synthetic batch has no padding, so the causal mask is left to SDPA's is_causal "
             "(GQA kept), as transformers decides on a real run; on fake tensors it cannot read the mask or the "
@@ -334,9 +453,20 @@ def measure(opts: argparse.Namespace) -> dict:
             "LoRA dropout runs as torch.native_dropout, CUDA's fused kernel, which saves a 1-byte mask; CPU's "
             "dropout multiplies by a noise tensor in the input dtype and saves that instead"
         )
-    with FakeTensorMode(allow_non_fake_inputs=True), cuda_dropout(), causal_mask_skipped(not padded):
+    with FakeTensorMode(allow_non_fake_inputs=True), cuda_dropout(), causal_mask_skipped(unmasked):
         materialise(model, device)
         recorder = comm.CommRecorder(device)
+        if pp:  # from here on, `model` is rank 0's stage, as in pp-ft once it drops the other ranks' layers
+            model, stage, schedule = pipeline(script, model, args, world, device, accum)
+            comm.record_stage_sends([stage], recorder)
+            stand_ins.append(
+                "the PipelineStage is given its input and output metadata (input_args, output_args: the shapes and "
+                "dtypes pp-ft's stages infer from the first micro-batch, which the fake group cannot exchange "
+                "between ranks); the gradients stage 0 receives are its receive buffers as the stage allocates "
+                "them (fake tensors: the fake group's receive returns at once and writes nothing); a sent stage "
+                "output is released as torch releases a plain tensor's (it keeps a FakeTensor, a subclass, until its "
+                "backward: one [micro, seq, hidden] tensor per micro-batch in flight)"
+            )
         buckets = 0
         if technique == "ddp":
             model, buckets = wrap_ddp(model, args, recorder, stand_ins)
@@ -349,6 +479,10 @@ def measure(opts: argparse.Namespace) -> dict:
             kwargs = dict(
                 input_ids=mb["input_ids"], attention_mask=attention_mask, logits_to_keep=mb["logit_positions"]
             )
+            if pp:  # pp-ft's step: the schedule runs every micro-batch's forward and backward, under autocast
+                with models.compute_autocast(device, dtype):
+                    schedule.step(mb["input_ids"], target=None, losses=[])
+                return
             if technique == "fsdp":  # experiments/fsdp-ft/train.py's micro-step: FSDP2 casts, no autocast
                 model.set_requires_gradient_sync(sync)
                 out = model(**kwargs)
@@ -377,6 +511,8 @@ def measure(opts: argparse.Namespace) -> dict:
             elif technique == "tp-sp":  # tp-sp-ft also sums the replicated LoRA gradients' shares first
                 script.sync_replicated_grads(replicated, dist.group.WORLD)
                 run.clip_grads_over_ranks(trainable, args.max_grad_norm, dist.group.WORLD, replicated)
+            elif pp:  # each rank holds its stages' share of the gradients
+                run.clip_grads_over_ranks(trainable, args.max_grad_norm)
             else:
                 torch.nn.utils.clip_grad_norm_(
                     trainable, args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
@@ -385,8 +521,9 @@ def measure(opts: argparse.Namespace) -> dict:
             optimizer.zero_grad(set_to_none=not getattr(args, "gradient_as_bucket_view", False))
 
         def optimizer_step_of_micro_steps(tracker=None) -> None:
-            for j in range(runs):
-                micro_step(sync=j == runs - 1)
+            calls = 1 if pp else runs  # one schedule.step runs the pipeline's micro-batches
+            for j in range(calls):
+                micro_step(sync=j == calls - 1)
                 if tracker is not None:
                     # Per-module stats are kept for one forward/backward (FSDPMemTracker refuses a second); the
                     # peak over the whole run is kept.
@@ -394,7 +531,8 @@ def measure(opts: argparse.Namespace) -> dict:
             optimizer_step()
 
         # ---- `steps` optimizer steps of `accum` micro-steps each, memory tracked from the start.
-        tracker = make_tracker(technique, model, optimizer, mb)
+        keys = ("input_ids", "target") if pp else ("input_ids", "attention_mask", "logit_positions", "targets")
+        tracker = make_tracker(technique, model, optimizer, tuple(mb[k] for k in keys))
         with no_tracker_graph_leak(), tracker:
             for _ in range(opts.steps):
                 optimizer_step_of_micro_steps(tracker)
@@ -407,7 +545,7 @@ def measure(opts: argparse.Namespace) -> dict:
         with dtypes, counter, recording:
             optimizer_step_of_micro_steps()
         recorded = {kind: {"bytes": s["bytes"], "count": s["count"]} for kind, s in recorder.take().items()}
-        theory = collective_theory(technique, model, args, counts, mb, runs, replicated)
+        theory = collective_theory(technique, model, config, args, counts, mb, runs, replicated)
         peak = tracker.get_tracker_snapshot("peak")
     elapsed = time.perf_counter() - started
 
@@ -421,6 +559,16 @@ def measure(opts: argparse.Namespace) -> dict:
         setting["world_size"] = world
     if technique == "fsdp":
         setting["reshard_after_forward"] = args.reshard_after_forward
+    pp_stages = {}
+    if pp:  # as pp-ft's summary calls it (GPipe and 1F1B only here), for the stage tracked: stage 0
+        setting.update(pp_schedule=args.schedule, num_microbatches=accum)
+        pp_stages = {
+            where: metrics.predicted_memory(
+                config, args, "pp", logit_positions=opts.answer_tokens, pp_stage=where, **setting
+            )["total"]
+            for where in ("first", "last")
+        }
+        setting["pp_stage"] = "first"
     # The memory model's name for it: tp-sp-ft without sequence parallelism is plain Megatron TP.
     modelled = "tp" if technique == "tp-sp" and not args.sequence_parallel else technique
     predicted = metrics.predicted_memory(config, args, modelled, logit_positions=opts.answer_tokens, **setting)
@@ -428,8 +576,9 @@ def measure(opts: argparse.Namespace) -> dict:
 
     lengths = [args.max_length] * args.micro_batch_size * accum  # rank 0's sequences per optimizer step
     # The convention's FLOPs for those sequences, and the share of them that is rank 0's: all of them with data
-    # parallelism (each rank its own sequences), 1/world of them with TP (every rank runs every sequence).
-    share = 1 / world if technique in TENSOR_PARALLEL else 1
+    # parallelism (each rank its own sequences), 1/world of them with TP (every rank runs every sequence); with PP
+    # stage 0's layers, 1/world of the decoder layers, and no lm_head (the last stage's).
+    share = 1 / world if technique in (*TENSOR_PARALLEL, "pp") else 1
     scale = accum / runs  # exact: every micro-step counts the same
     # This command's count (MatmulDtypes: local shards), checked against FlopCounterMode's, which counts a DTensor
     # op at its logical shape: the two agree where no DTensor computes (single, ddp, fsdp's gathered weights).
@@ -442,11 +591,14 @@ def measure(opts: argparse.Namespace) -> dict:
             f"FLOPs: FlopCounterMode counted {logical} with recompute, this command's own count of the same ops "
             f"{with_rc}: they should agree, and the difference is unexplained"
         )
-    convention = metrics.step_flops(lengths, config, counts["trainable"]) * share
     shape = memory.ModelShape.from_config(config)
     tokens = sum(lengths)
     attn_convention = 6 * shape.layers * shape.q_dim * sum(s * s for s in lengths) * share
     lm_head_convention = 4 * shape.embedding_params() * tokens * share
+    convention = metrics.step_flops(lengths, config, counts["trainable"]) * share
+    if pp:  # the lm_head runs on the last stage
+        convention -= lm_head_convention
+        lm_head_convention = 0.0
     return {
         "technique": technique,
         "script": f"experiments/{SCRIPTS[technique]}/train.py",
@@ -470,6 +622,7 @@ def measure(opts: argparse.Namespace) -> dict:
             "steps_tracked": opts.steps,
             **({"reshard_after_forward": args.reshard_after_forward} if technique == "fsdp" else {}),
             **({"sequence_parallel": args.sequence_parallel} if technique == "tp-sp" else {}),
+            **({"schedule": args.schedule, "pipeline_microbatches": accum, "stage": 0} if pp else {}),
         },
         "parameters": counts,
         "tracked_peak_bytes": tracked_total,
@@ -478,6 +631,18 @@ def measure(opts: argparse.Namespace) -> dict:
         "predicted": predicted,
         "predicted_bytes_every_position": int(predicted_upper["total"]),
         "tracked_over_predicted": tracked_total / predicted["total"] if predicted["total"] else None,
+        **(
+            {
+                "predicted_bytes_by_stage": {k: int(v) for k, v in pp_stages.items()},
+                "predicted_busiest_stage": max(pp_stages, key=pp_stages.get),
+                "predicted_note": "the memory model's stage 0 ('first': the embedding, and the most micro-batches "
+                "in flight), what rank 0 holds and the tracked peak is compared with; pp-ft's summary states the "
+                "busier of its first and last stage ('last': the lm_head, its own copy of the tied embedding, and "
+                "the loss), predicted_busiest_stage",
+            }
+            if pp
+            else {}
+        ),
         "flops_counted": without_rc * scale,
         "flops_counted_with_recompute": with_rc * scale,
         **({"flops_logical_with_recompute": logical * scale} if technique == "tp" else {}),
@@ -497,6 +662,10 @@ def measure(opts: argparse.Namespace) -> dict:
             "step; the script shards the decoder layers only, so every rank computes the whole lm_head (and holds "
             "the whole embedding)"
             if technique in TENSOR_PARALLEL
+            else f". PP: rank 0 runs stage 0 of {world} on every sequence: the embedding (no matmul) and 1/{world} "
+            "of the decoder layers, and the convention here is those layers' share of the step; the lm_head is the "
+            "last stage's"
+            if pp
             else ""
         ),
         **collectives_report(technique, recorded, theory, runs),
@@ -508,7 +677,7 @@ def measure(opts: argparse.Namespace) -> dict:
     }
 
 
-def collective_theory(technique: str, model, args, counts: dict, mb: dict, micro_steps: int, replicated: list):
+def collective_theory(technique: str, model, config, args, counts: dict, mb: dict, micro_steps: int, replicated: list):
     """The bytes per collective kind that the script's summary states as theory (`theory_*`), for an optimizer
     step of `micro_steps` micro-batches like `mb`, from the same functions (ftkit/comm.py)."""
     if technique == "fsdp":
@@ -523,18 +692,20 @@ def collective_theory(technique: str, model, args, counts: dict, mb: dict, micro
             args.reshard_after_forward,
             counts["trainable"] * run.torch_dtype(args.reduce_dtype).itemsize,
         )
+    if technique == "pp":  # pp-ft's activation_bytes_per_microbatch: stage 0 sends each micro-batch's output once
+        return {"send": mb["input_ids"].numel() * config.hidden_size * run.torch_dtype(args.dtype).itemsize}
     if technique == "ddp":  # ddp-ft's summary: the trainable gradients, once per optimizer step (no_sync before)
         return {"all_reduce": comm.nbytes([p for p in model.parameters() if p.requires_grad])}
     # The TP scripts' row: the step's block-boundary activations [micro, seq, hidden], summed over its micro-batches.
-    hidden = model.config.hidden_size
+    hidden = config.hidden_size
     row = {
         "comm": {},
         "activation_bytes": micro_steps * mb["input_ids"].numel() * hidden * run.torch_dtype(args.dtype).itemsize,
     }
     if technique == "tp":
-        return {"all_reduce": comm.tp_all_reduce_theory(model.config, args, [row])}
+        return {"all_reduce": comm.tp_all_reduce_theory(config, args, [row])}
     if technique == "tp-sp":
-        return comm.tp_sp_collective_theory(model.config, args, [row], comm.nbytes(replicated))
+        return comm.tp_sp_collective_theory(config, args, [row], comm.nbytes(replicated))
     return {}
 
 
@@ -662,8 +833,7 @@ def wrap_ddp(model, args, recorder: comm.CommRecorder, stand_ins: list[str]):
     return wrapped, buckets
 
 
-def make_tracker(technique: str, model, optimizer, mb: dict):
-    inputs = (mb["input_ids"], mb["attention_mask"], mb["logit_positions"], mb["targets"])
+def make_tracker(technique: str, model, optimizer, inputs: tuple):
     if technique == "fsdp":
         from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 
@@ -679,6 +849,18 @@ def make_tracker(technique: str, model, optimizer, mb: dict):
     for p in model.parameters():
         if not p.requires_grad:
             tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
+    if technique == "pp":
+        # MemTracker takes a second forward of the root module (here the stage) for the next iteration and refuses
+        # it, but a pipeline stage runs one forward per micro-batch: the stage's own statistics restart at each
+        # (its layers', and the peak, are kept). The hook is registered when the tracker is entered.
+        track_forward = tracker._pre_fw_hook
+
+        def each_micro_batch(module, inputs) -> None:
+            if module is model and torch._C._current_graph_task_id() == -1:  # a forward, not a recompute
+                tracker.memory_tracking.pop(module, None)
+            track_forward(module, inputs)
+
+        tracker._pre_fw_hook = each_micro_batch
     return tracker
 
 
