@@ -115,6 +115,7 @@ def test_matmuls_run_in_bf16(fsdp_world2):
 # tp-ft's plan (DTensor) and tp-sp-ft's hand-rolled linears at world 2 on one decoder layer, 2 micro-steps per
 # optimizer step (global batch 4): every rank runs every sequence, each holding half of each projection.
 TP_RUN = ("--world", "2", "--layers", "1", "--batch-size", "4", "--json")
+PP_RUN = ("--technique", "pp", "--world", "2", "--layers", "2", "--batch-size", "4", "--json")
 
 
 @pytest.fixture(scope="module", params=["tp", "tp-sp"])
@@ -193,13 +194,47 @@ def test_ddp_runs_wrapped_and_all_reduces_the_lora_gradients_once():
     assert any("init_sync=False" in s for s in result["stand_ins"])
 
 
+def test_pp_stage_0_runs_the_scripts_1f1b_schedule():
+    """pp-ft's stage 0 at world 2 (the embedding and one of two decoder layers), its own Stage, PipelineStage and
+    1F1B schedule over a global batch of 4: two micro-batches of 2 x 2048, both in flight on stage 0 (min(m, p)).
+    The tracked peak is the memory model's stage 0 to within 1% (the residual: RoPE's cos and sin of the second
+    micro-batch in flight, 1 MiB, which the model counts once); a stage that kept its sent outputs until their
+    backward, as torch does for a FakeTensor, would add one [2, 2048, 2560] tensor per micro-batch (2% here).
+    Rank 0 runs half the layers and no lm_head: its share of the convention, counted as for FSDP (attention at
+    FlopCounterMode's 14/6); it sends each micro-batch's output once, pp-ft's activation bytes per micro-batch."""
+    proc = run_script("-m", "ftkit.realscale", *PP_RUN, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    cfg = result["config"]
+    assert result["script"] == "experiments/pp-ft/train.py" and cfg["schedule"] == "1f1b" and cfg["stage"] == 0
+    assert cfg["pipeline_microbatches"] == 2 and cfg["grad_checkpointing"]
+    assert result["predicted_bytes"] == result["predicted_bytes_by_stage"]["first"]
+    assert result["tracked_over_predicted"] == pytest.approx(1, abs=0.01), (result["categories"], result["predicted"])
+    assert result["categories"]["Parameter"] == result["predicted"]["weights"] + result["predicted"]["lora"]
+
+    counted, convention = result["flops_counted_by_component"], result["flops_convention_by_component"]
+    assert counted["projections_and_adapters"] == pytest.approx(convention["projections_and_adapters"], rel=0.05)
+    assert counted["attention"] == pytest.approx(convention["attention"] * 14 / 6, rel=1e-6)
+    assert "lm_head" not in counted and convention["lm_head"] == 0
+    assert result["bf16_matmul_fraction"] >= 0.98
+
+    activations = 2 * 2 * 2048 * 2560 * 2  # two micro-batches' [2, 2048, 2560] bf16 outputs
+    assert result["collective_bytes"] == result["collective_bytes_theory"] == {"send": activations}
+    stand_ins = result["stand_ins"]
+    assert any("input_args, output_args" in s for s in stand_ins), stand_ins
+    assert any("released as torch releases a plain tensor's" in s for s in stand_ins), stand_ins
+    assert not any("unexplained" in s for s in stand_ins), stand_ins
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--technique", "tp-sp", "--world", "4", "--quant", "nf4"], "tp-sp-ft/train.py trains LoRA on a bf16 base"),
         (["--technique", "tp", "--world", "3"], "does not divide the model's 8 key/value heads"),
         (["--technique", "tp", "--world", "2", "--quant", "nf4"], "trains LoRA on a bf16 base"),
-        (["--technique", "pp", "--world", "2"], "not yet supported by ftkit.realscale"),
+        (["--technique", "pp", "--world", "2", "--schedule", "zbv"], "the memory model predicts gpipe and 1f1b only"),
+        (["--technique", "pp", "--world", "1"], "a pipeline needs at least 2 ranks"),
+        (["--technique", "pp", "--world", "2", "--layers", "3"], "do not divide the model's 3 layers evenly"),
         (["--technique", "single", "--world", "2"], "single runs on one device"),
         (["--technique", "fsdp", "--world", "2", "--quant", "nf4"], "a 4-bit base does not shard with FSDP2"),
         (["--technique", "single", "--quant", "nf4"], "not yet run on fake tensors"),
