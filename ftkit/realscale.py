@@ -3,14 +3,15 @@
     uv run python -m ftkit.realscale --technique fsdp --world 8 --json
     uv run python -m ftkit.realscale --technique single --no-grad-checkpointing
     uv run python -m ftkit.realscale --technique pp --world 2 --schedule gpipe --json
+    uv run python -m ftkit.realscale --technique pp --world 2 --pp-stage last --json
 
 Under `FakeTensorMode` a tensor has a shape, a dtype and a device but no storage, and the `fake` process-group
-backend lets this one process play rank 0 of a world of --world ranks (its collectives return at once). So the
-real step runs here at Qwen3-4B's exact shape (`qwen3-4b-shape`): the model built by `ftkit.models` as the
-scripts build it, parallelised by the scripts' own code (FSDP2 through experiments/fsdp-ft/train.py's
-`shard_model`; pipeline stage 0 through experiments/pp-ft/train.py's `Stage` and schedule), two optimizer
-steps of the scripts' default configuration (their own parsers give the flags and defaults), on a synthetic batch
-of full-length sequences. Measured on rank 0:
+backend lets this one process play one rank (rank 0; with pp, --pp-stage's) of a world of --world ranks (its
+collectives return at once). So the real step runs here at Qwen3-4B's exact shape (`qwen3-4b-shape`): the model
+built by `ftkit.models` as the scripts build it, parallelised by the scripts' own code (FSDP2 through
+experiments/fsdp-ft/train.py's `shard_model`; a pipeline stage through experiments/pp-ft/train.py's `Stage`,
+schedule and loss), two optimizer steps of the scripts' default configuration (their own parsers give the flags and
+defaults), on a synthetic batch of full-length sequences. Measured on that rank:
 
 - peak bytes by category, from PyTorch's memory trackers (`MemTracker`; `FSDPMemTracker` for FSDP), beside
   `ftkit.memory`'s prediction for the same configuration (as the scripts' summaries call it, at the batch's
@@ -20,14 +21,16 @@ of full-length sequences. Measured on rank 0:
   (`ftkit.metrics.step_flops`), by component;
 - the fraction of matmul FLOPs (matmuls and attention) whose operands are bf16;
 - bytes per collective kind in the counted step, recorded as the script records them (`ftkit.comm`), beside the
-  script's own theory for the same micro-steps (ddp, fsdp, tp, tp-sp; pp: stage 0's sends).
+  script's own theory for the same micro-steps (ddp, fsdp, tp, tp-sp; pp: the stage's sends).
 
-Pipeline parallelism (pp, --schedule gpipe or 1f1b, the two the memory model predicts): rank 0 holds stage 0, the
-embedding and the first 1/--world of the decoder layers, and runs pp-ft's schedule over the whole global batch
-(one micro-batch per --micro-batch-size rows); under 1F1B it keeps min(m, p) micro-batches in flight, the most of
-any stage. Its peak is compared with the memory model's stage 0 (`pp_stage="first"`); the busier stage the
-script's summary states, often the last (the lm_head, its copy of the tied embedding, the loss), is reported
-beside it, untracked.
+Pipeline parallelism (pp, --schedule gpipe or 1f1b, the two the memory model predicts): this process plays the rank
+that holds --pp-stage's stage and runs pp-ft's schedule over the whole global batch (one micro-batch per
+--micro-batch-size rows). first: rank 0, the embedding and the first 1/--world of the decoder layers; under 1F1B it
+keeps min(m, p) micro-batches in flight, the most of any stage; it sends each micro-batch's output forward. last:
+the last rank, the last 1/--world of the layers, the final norm and the lm_head (its own copy of the tied
+embedding), and pp-ft's loss on the answer positions; it sends each micro-batch's input gradient back. The peak is
+compared with the memory model's prediction for that stage (`pp_stage`); the busier of the two, the one pp-ft's
+summary states, is reported beside it.
 
 These are tracked on fake tensors at Qwen3-4B's shape: they exclude the CUDA context, NCCL buffers and allocator
 fragmentation, and the tensors live on the CPU device (faking CUDA fails at FSDP2's CUDA streams), so CPU-only
@@ -88,7 +91,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--technique", required=True, choices=list(SCRIPTS))
     p.add_argument(
-        "--world", type=int, default=1, help="ranks; this process plays rank 0 (with pp: stage 0, pipeline depth)"
+        "--world",
+        type=int,
+        default=1,
+        help="ranks; this process plays rank 0 (with pp: the pipeline depth, and the rank of --pp-stage)",
+    )
+    p.add_argument(
+        "--pp-stage",
+        choices=["first", "last"],
+        default=None,
+        help="pp: the stage this process runs and compares with the memory model's prediction for it: first (rank "
+        "0: the embedding, the most micro-batches in flight) or last (the last rank: the final norm, the lm_head "
+        "and the loss) [default: first]",
     )
     p.add_argument(
         "--schedule",
@@ -147,8 +161,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                 "--micro-steps: a pipeline step is one schedule.step over all its micro-batches, and the "
                 "schedule's micro-batch count sets the activations in flight; set --batch-size instead"
             )
-    elif opts.schedule is not None:
-        raise RealScaleError("--schedule is a pipeline flag: --technique pp")
+        opts.pp_stage = opts.pp_stage or "first"
+    elif opts.schedule is not None or opts.pp_stage is not None:
+        raise RealScaleError("--schedule and --pp-stage are pipeline flags: --technique pp")
     if opts.world < 1 or (opts.technique == "single" and opts.world != 1):
         raise RealScaleError(f"--world {opts.world}: single runs on one device (--world 1); the others take 1 or more")
     if opts.technique in TENSOR_PARALLEL:
@@ -321,29 +336,31 @@ def materialise(model, device: torch.device) -> None:
     inner.rotary_emb = type(inner.rotary_emb)(inner.config).to(device)
 
 
-def pipeline(script, model, args, world: int, device: torch.device, microbatches: int):
-    """Rank 0's stage of experiments/pp-ft/train.py, cut from the model by the script's own `stage_layout`,
-    `rank_stages` and `Stage`, in a PipelineStage, and the script's schedule (`SCHEDULES`) over it, built as the
-    script builds them; (the Stage module, the PipelineStage, the schedule). Call after `materialise`: the Stage
-    keeps the model's rotary embedding, which materialise replaces with one whose frequencies are computed.
+def pipeline(script, model, args, world: int, device: torch.device, microbatches: int, denominator: int):
+    """This rank's stage of experiments/pp-ft/train.py, cut from the model by the script's own `stage_layout`,
+    `rank_stages` and `Stage`, in a PipelineStage, and the script's schedule (`SCHEDULES`) over it with pp-ft's loss
+    function, built as the script builds them; (the Stage module, the PipelineStage, the schedule). Call after
+    `materialise`: the Stage keeps the model's rotary embedding, which materialise replaces with one whose
+    frequencies are computed.
 
     The PipelineStage is given its metadata (input_args, output_args), which the script's stages infer: that
-    exchanges shapes with the neighbour stages over the group, and the fake group delivers nothing. The output
-    requires grad, as the stage's output does: torch derives the metadata of the gradient the stage receives in
-    backward from it, and an output without grad gets none (stage 0's backward then fails for a missing
-    gradient).
+    exchanges shapes with the neighbour stages over the group, and the fake group delivers nothing. The hidden
+    states require grad, as the inferred metadata marks them: the stage derives from the output's the gradient it
+    receives in backward (without it, stage 0's backward fails for a missing gradient), and from the input's that
+    its received activations require grad, so a later stage computes their gradient and sends it back.
 
     Once an output's send completes, the stage drops its reference to it (backward starts from its autograd node),
     but only for an output whose type is exactly torch.Tensor; a FakeTensor, a subclass, would be kept until its
     backward, one [micro, seq, hidden] tensor per micro-batch in flight that a run on the GPU frees. Here it is
     judged as the plain tensor it stands for (the later checks, DDP and a dw_builder, do not apply: this stage has
-    neither)."""
+    neither). The last stage sends no output: it keeps each one, as on the GPU, for the step's merged output."""
+    import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.distributed.pipelining import PipelineStage
 
     config = model.config
     n_stages, per_stage = script.stage_layout(config.num_hidden_layers, world, args.schedule)
-    [sid] = script.rank_stages(0, world, args.schedule)  # GPipe and 1F1B: one stage per rank (PP_SCHEDULES)
+    [sid] = script.rank_stages(dist.get_rank(), world, args.schedule)  # GPipe, 1F1B: one stage a rank (PP_SCHEDULES)
     module = script.Stage(model.base_model.model, sid * per_stage, per_stage, first=sid == 0, last=sid == n_stages - 1)
     rows, length = args.micro_batch_size, args.max_length
     hidden = torch.empty(rows, length, config.hidden_size, dtype=run.torch_dtype(args.dtype), requires_grad=True)
@@ -365,9 +382,11 @@ def pipeline(script, model, args, world: int, device: torch.device, microbatches
     stage._output_slot_is_releasable = releasable_as_a_plain_tensor
 
     def loss_fn(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        raise AssertionError("the schedule computes the loss on the last stage only, and this is stage 0")
+        # pp-ft's loss_fn (a closure in its main), restated: the lm_head at the answer positions of the last
+        # stage's output, the token-loss sum over the global batch's target tokens.
+        logits = module.logits(hidden, target[:, 0])
+        return data.token_loss_sum(logits, target[:, 1]) / denominator
 
-    # Stage 0 never computes the loss, but the schedule runs backward only when given a loss function.
     schedule = script.SCHEDULES[args.schedule](stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
     return module, stage, schedule
 
@@ -381,8 +400,13 @@ def measure(opts: argparse.Namespace) -> dict:
     pp = technique == "pp"
     script = run.load_experiment(SCRIPTS[technique])
     args = script_args(script, opts)
+    rank = 0
     if pp:  # the script's refusal of stages that do not split the layers evenly, before the model is built
-        script.stage_layout(opts.layers or models.QWEN3_4B_CONFIG["num_hidden_layers"], world, args.schedule)
+        n_stages, _ = script.stage_layout(
+            opts.layers or models.QWEN3_4B_CONFIG["num_hidden_layers"], world, args.schedule
+        )
+        if opts.pp_stage == "last":  # pp-ft's last_rank: the rank that holds the last stage
+            rank = next(r for r in range(world) if n_stages - 1 in script.rank_stages(r, world, args.schedule))
     device = torch.device("cpu")
     dtype = run.torch_dtype(args.dtype)
     # TP splits the layers, PP the depth, not the batch; PP's accumulation steps are the pipeline's micro-batches
@@ -396,8 +420,11 @@ def measure(opts: argparse.Namespace) -> dict:
         f"sequence full length, the last {opts.answer_tokens} positions the answer (loss and lm_head)",
         (
             "the training loop's step (the script's schedule.step under autocast, run.clip_grads_over_ranks, AdamW "
-            "step, zero_grad) is restated here from the script; its loss function (the last stage's) is not called "
-            "on stage 0, and the step's timers, learning-rate schedule, metrics and evaluation are left out"
+            "step, zero_grad) is restated here from the script, and so is its loss function (pp-ft's loss_fn, a "
+            "closure in its main: the last stage's lm_head at the answer positions, token_loss_sum over the global "
+            "batch's target tokens), given to the schedule without the script's timer around it"
+            + (" and called by it on the last stage only" if opts.pp_stage == "first" else "")
+            + "; the step's timers, learning-rate schedule, metrics and evaluation are left out"
             if pp
             else "the training loop's step (forward, token_loss_sum, backward, AdamW step, zero_grad) is restated "
             "here from the script, the TP scripts' gradient sync and clip called from them; the learning-rate "
@@ -407,7 +434,7 @@ def measure(opts: argparse.Namespace) -> dict:
     if technique != "single" and not dist.is_initialized():
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
-        dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
 
     started = time.perf_counter()
     model, counts = build(technique, script, args, world, device, opts.layers)
@@ -456,16 +483,24 @@ def measure(opts: argparse.Namespace) -> dict:
     with FakeTensorMode(allow_non_fake_inputs=True), cuda_dropout(), causal_mask_skipped(unmasked):
         materialise(model, device)
         recorder = comm.CommRecorder(device)
-        if pp:  # from here on, `model` is rank 0's stage, as in pp-ft once it drops the other ranks' layers
-            model, stage, schedule = pipeline(script, model, args, world, device, accum)
+        if pp:  # from here on, `model` is this rank's stage, as in pp-ft once it drops the other ranks' layers
+            model, stage, schedule = pipeline(script, model, args, world, device, accum, n_target)
             comm.record_stage_sends([stage], recorder)
             stand_ins.append(
                 "the PipelineStage is given its input and output metadata (input_args, output_args: the shapes and "
                 "dtypes pp-ft's stages infer from the first micro-batch, which the fake group cannot exchange "
-                "between ranks); the gradients stage 0 receives are its receive buffers as the stage allocates "
-                "them (fake tensors: the fake group's receive returns at once and writes nothing); a sent stage "
-                "output is released as torch releases a plain tensor's (it keeps a FakeTensor, a subclass, until its "
-                "backward: one [micro, seq, hidden] tensor per micro-batch in flight)"
+                "between ranks)"
+                + (
+                    "; the gradients stage 0 receives are its receive buffers as the stage allocates them (fake "
+                    "tensors: the fake group's receive returns at once and writes nothing); a sent stage output is "
+                    "released as torch releases a plain tensor's (it keeps a FakeTensor, a subclass, until its "
+                    "backward: one [micro, seq, hidden] tensor per micro-batch in flight)"
+                    if stage.is_first
+                    else "; the activations the last stage receives from the stage before are its receive buffers as "
+                    "the stage allocates them (fake tensors: the fake group's receive returns at once and writes "
+                    "nothing), requiring grad as the given input metadata says, so the stage computes their "
+                    "gradient and sends it back"
+                )
             )
         buckets = 0
         if technique == "ddp":
@@ -480,8 +515,9 @@ def measure(opts: argparse.Namespace) -> dict:
                 input_ids=mb["input_ids"], attention_mask=attention_mask, logits_to_keep=mb["logit_positions"]
             )
             if pp:  # pp-ft's step: the schedule runs every micro-batch's forward and backward, under autocast
+                inputs = [mb["input_ids"]] if stage.is_first else []
                 with models.compute_autocast(device, dtype):
-                    schedule.step(mb["input_ids"], target=None, losses=[])
+                    schedule.step(*inputs, target=mb["target"] if stage.is_last else None, losses=[])
                 return
             if technique == "fsdp":  # experiments/fsdp-ft/train.py's micro-step: FSDP2 casts, no autocast
                 model.set_requires_gradient_sync(sync)
@@ -560,7 +596,7 @@ def measure(opts: argparse.Namespace) -> dict:
     if technique == "fsdp":
         setting["reshard_after_forward"] = args.reshard_after_forward
     pp_stages = {}
-    if pp:  # as pp-ft's summary calls it (GPipe and 1F1B only here), for the stage tracked: stage 0
+    if pp:  # as pp-ft's summary calls it (GPipe and 1F1B only here), for the stage tracked
         setting.update(pp_schedule=args.schedule, num_microbatches=accum)
         pp_stages = {
             where: metrics.predicted_memory(
@@ -568,16 +604,16 @@ def measure(opts: argparse.Namespace) -> dict:
             )["total"]
             for where in ("first", "last")
         }
-        setting["pp_stage"] = "first"
+        setting["pp_stage"] = opts.pp_stage
     # The memory model's name for it: tp-sp-ft without sequence parallelism is plain Megatron TP.
     modelled = "tp" if technique == "tp-sp" and not args.sequence_parallel else technique
     predicted = metrics.predicted_memory(config, args, modelled, logit_positions=opts.answer_tokens, **setting)
     predicted_upper = metrics.predicted_memory(config, args, modelled, **setting)
 
-    lengths = [args.max_length] * args.micro_batch_size * accum  # rank 0's sequences per optimizer step
-    # The convention's FLOPs for those sequences, and the share of them that is rank 0's: all of them with data
+    lengths = [args.max_length] * args.micro_batch_size * accum  # this rank's sequences per optimizer step
+    # The convention's FLOPs for those sequences, and the share of them that is this rank's: all of them with data
     # parallelism (each rank its own sequences), 1/world of them with TP (every rank runs every sequence); with PP
-    # stage 0's layers, 1/world of the decoder layers, and no lm_head (the last stage's).
+    # its stage's layers, 1/world of the decoder layers, and the whole lm_head on the last stage, none on the first.
     share = 1 / world if technique in (*TENSOR_PARALLEL, "pp") else 1
     scale = accum / runs  # exact: every micro-step counts the same
     # This command's count (MatmulDtypes: local shards), checked against FlopCounterMode's, which counts a DTensor
@@ -596,13 +632,15 @@ def measure(opts: argparse.Namespace) -> dict:
     attn_convention = 6 * shape.layers * shape.q_dim * sum(s * s for s in lengths) * share
     lm_head_convention = 4 * shape.embedding_params() * tokens * share
     convention = metrics.step_flops(lengths, config, counts["trainable"]) * share
-    if pp:  # the lm_head runs on the last stage
+    if pp:  # the lm_head runs on the last stage, over every sequence
         convention -= lm_head_convention
-        lm_head_convention = 0.0
+        lm_head_convention = lm_head_convention / share if stage.is_last else 0.0
+        convention += lm_head_convention
     return {
         "technique": technique,
         "script": f"experiments/{SCRIPTS[technique]}/train.py",
         "world_size": world,
+        "rank": rank,
         "label": LABEL,
         "config": {
             "model": args.model,
@@ -622,7 +660,7 @@ def measure(opts: argparse.Namespace) -> dict:
             "steps_tracked": opts.steps,
             **({"reshard_after_forward": args.reshard_after_forward} if technique == "fsdp" else {}),
             **({"sequence_parallel": args.sequence_parallel} if technique == "tp-sp" else {}),
-            **({"schedule": args.schedule, "pipeline_microbatches": accum, "stage": 0} if pp else {}),
+            **({"schedule": args.schedule, "pipeline_microbatches": accum, "stage": stage.stage_index} if pp else {}),
         },
         "parameters": counts,
         "tracked_peak_bytes": tracked_total,
@@ -635,10 +673,10 @@ def measure(opts: argparse.Namespace) -> dict:
             {
                 "predicted_bytes_by_stage": {k: int(v) for k, v in pp_stages.items()},
                 "predicted_busiest_stage": max(pp_stages, key=pp_stages.get),
-                "predicted_note": "the memory model's stage 0 ('first': the embedding, and the most micro-batches "
-                "in flight), what rank 0 holds and the tracked peak is compared with; pp-ft's summary states the "
-                "busier of its first and last stage ('last': the lm_head, its own copy of the tied embedding, and "
-                "the loss), predicted_busiest_stage",
+                "predicted_note": f"the memory model's '{opts.pp_stage}' stage, what rank {rank} holds and the "
+                "tracked peak is compared with ('first': the embedding, and the most micro-batches in flight; "
+                "'last': the final norm, the lm_head with its own copy of the tied embedding, and the loss); "
+                "pp-ft's summary states the busier of the two, predicted_busiest_stage",
             }
             if pp
             else {}
@@ -654,7 +692,8 @@ def measure(opts: argparse.Namespace) -> dict:
             "lm_head": lm_head_convention,
             "projections_and_adapters": convention - attn_convention - lm_head_convention,
         },
-        "flops_note": "per optimizer step on rank 0 (its micro-batch x accumulation sequences); the global step is "
+        "flops_note": f"per optimizer step on rank {rank} (its micro-batch x accumulation sequences); the global "
+        "step is "
         f"{dp} times this. Convention: {metrics.MFU_CONVENTION}. FlopCounterMode counts SDPA at the full s x s "
         "(no causal halving) and the lm_head where it runs (logits_to_keep: the answer positions only)"
         + (
@@ -662,9 +701,15 @@ def measure(opts: argparse.Namespace) -> dict:
             "step; the script shards the decoder layers only, so every rank computes the whole lm_head (and holds "
             "the whole embedding)"
             if technique in TENSOR_PARALLEL
-            else f". PP: rank 0 runs stage 0 of {world} on every sequence: the embedding (no matmul) and 1/{world} "
-            "of the decoder layers, and the convention here is those layers' share of the step; the lm_head is the "
-            "last stage's"
+            else f". PP: rank {rank} runs stage {stage.stage_index} of {world} on every sequence: 1/{world} of the "
+            "decoder layers, and "
+            + (
+                "the final norm and the lm_head (at the answer positions); the convention here is those layers' "
+                "share of the step and the whole lm_head"
+                if stage.is_last
+                else "the embedding (no matmul); the convention here is those layers' share of the step (the "
+                "lm_head is the last stage's)"
+            )
             if pp
             else ""
         ),
@@ -692,7 +737,9 @@ def collective_theory(technique: str, model, config, args, counts: dict, mb: dic
             args.reshard_after_forward,
             counts["trainable"] * run.torch_dtype(args.reduce_dtype).itemsize,
         )
-    if technique == "pp":  # pp-ft's activation_bytes_per_microbatch: stage 0 sends each micro-batch's output once
+    # pp-ft's activation_bytes_per_microbatch, once per micro-batch: stage 0 sends each one's output forward, the
+    # last stage its input gradient backward, both [micro, seq, hidden] in the compute dtype.
+    if technique == "pp":
         return {"send": mb["input_ids"].numel() * config.hidden_size * run.torch_dtype(args.dtype).itemsize}
     if technique == "ddp":  # ddp-ft's summary: the trainable gradients, once per optimizer step (no_sync before)
         return {"all_reduce": comm.nbytes([p for p in model.parameters() if p.requires_grad])}
@@ -718,7 +765,7 @@ def collectives_report(technique: str, recorded: dict, theory: dict, micro_steps
         "collective_counts": {kind: int(s["count"]) for kind, s in sorted(recorded.items())},
         "collective_bytes_theory": {kind: float(b) for kind, b in sorted(theory.items()) if b},
         "collectives_note": f"the counted optimizer step (micro-steps: {micro_steps}), recorded as the script "
-        "records them (ftkit/comm.py): bytes of the whole buffer each collective was given on rank 0 (the fake "
+        "records them (ftkit/comm.py): bytes of the whole buffer each collective was given on this rank (the fake "
         "group returns at once, so no time); theory: the script's own formula for the same micro-steps",
     }
 
@@ -850,13 +897,17 @@ def make_tracker(technique: str, model, optimizer, inputs: tuple):
         if not p.requires_grad:
             tracker._param_to_grad_hook_handles[p] = (_NoHook(), _NoHook())
     if technique == "pp":
-        # MemTracker takes a second forward of the root module (here the stage) for the next iteration and refuses
-        # it, but a pipeline stage runs one forward per micro-batch: the stage's own statistics restart at each
-        # (its layers', and the peak, are kept). The hook is registered when the tracker is entered.
+        # MemTracker takes a second forward of a root module (one called outside any other's forward) for the next
+        # iteration and refuses it, but a pipeline stage runs one forward per micro-batch, and on the last stage
+        # the loss calls the stage's lm_head, outside the stage's forward, once per micro-batch too: a root's own
+        # statistics restart at each (the layers', and the peak, are kept). The hook is registered when the
+        # tracker is entered.
         track_forward = tracker._pre_fw_hook
 
         def each_micro_batch(module, inputs) -> None:
-            if module is model and torch._C._current_graph_task_id() == -1:  # a forward, not a recompute
+            name = tracker._mod_tracker.get_known_fqn(module)
+            root = set(tracker._mod_tracker.parents) - {name} == {"Global"}
+            if root and torch._C._current_graph_task_id() == -1:  # a forward, not a recompute
                 tracker.memory_tracking.pop(module, None)
             track_forward(module, inputs)
 
@@ -872,7 +923,7 @@ class _NoHook:
 def table(result: dict) -> str:
     gib = memory.GIB
     lines = [
-        f"{result['technique']} (experiments/{SCRIPTS[result['technique']]}/train.py), rank 0 of "
+        f"{result['technique']} (experiments/{SCRIPTS[result['technique']]}/train.py), rank {result['rank']} of "
         f"{result['world_size']}: {LABEL}",
         "",
         "memory, tracked peak by category:",
