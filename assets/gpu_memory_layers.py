@@ -42,7 +42,7 @@ def micro_batch(width: int, answer: int, vocab: int, padded: bool, micro_batch_s
 
 def measure(layers: int, padded: bool, opts: argparse.Namespace) -> dict:
     script = run.load_experiment("single-gpu-ft")
-    args = realscale.script_args(script, realscale.parse_args(["--technique", "single"]))
+    args = realscale.script_args(script, realscale.parse_args(["--technique", "single", "--quant", "none"]))
     device, dtype = torch.device("cuda"), run.torch_dtype(args.dtype)
     model, _ = realscale.build("single", script, args, 1, device, layers)
     realscale.materialise(model, device)

@@ -32,6 +32,10 @@ embedding), and pp-ft's loss on the answer positions; it sends each micro-batch'
 compared with the memory model's prediction for that stage (`pp_stage`); the busier of the two, the one pp-ft's
 summary states, is reported beside it.
 
+QLoRA (--quant nf4, single-gpu-ft's and ddp-ft's default): the projections are bitsandbytes `Linear4bit` layers,
+made by transformers' own quantizer and quantized by bitsandbytes' own `quantize_4bit` (`quantize_fake`), and each
+4-bit matmul dequantizes its weight to bf16 as bitsandbytes' CUDA kernel does at these row counts.
+
 These are tracked on fake tensors at Qwen3-4B's shape: they exclude the CUDA context, NCCL buffers and allocator
 fragmentation, and the tensors live on the CPU device (faking CUDA fails at FSDP2's CUDA streams), so CPU-only
 choices (the SDPA kernel, autocast's CPU op lists) stand in for CUDA's; `stand_ins` in the output lists them.
@@ -43,6 +47,7 @@ import argparse
 import contextlib
 import json
 import sys
+import threading
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -120,8 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument(
         "--quant",
         choices=["none", "nf4"],
-        default="none",
-        help="base weights: bf16, or 4-bit NF4 (QLoRA; refused by the fsdp script, not yet run on fake tensors)",
+        default=None,
+        help="base weights: bf16, or 4-bit NF4 (QLoRA: single-gpu-ft's and ddp-ft's default; the other scripts "
+        "train on a bf16 base)",
     )
     g.add_argument("--no-grad-checkpointing", dest="grad_checkpointing", action="store_false")
     p.add_argument(
@@ -195,16 +201,10 @@ def script_args(script, opts: argparse.Namespace) -> argparse.Namespace:
             raise RealScaleError(
                 f"--quant nf4: experiments/{SCRIPTS[opts.technique]}/train.py trains LoRA on a bf16 base (no QLoRA)"
             )
-    else:
+    elif opts.quant is not None:
         argv += ["--quant", opts.quant]
     with mock.patch.object(sys, "argv", argv):
         args = script.parse_args()
-    if getattr(args, "quant", "none") == "nf4":
-        raise RealScaleError(
-            "--quant nf4 is not yet run on fake tensors: models.load_model builds the base on the meta device "
-            "without quantization, and a bitsandbytes Params4bit does not survive to_empty (its quant_state lives "
-            "beside the tensor); only a single Linear4bit forward has been probed under FakeTensorMode"
-        )
     return args
 
 
@@ -228,7 +228,9 @@ class MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
     attention, grad_out and query of its backward), and by component: the lm_head (an operand with the vocabulary
     as a dim), attention (SDPA), and the rest (projections and adapters). FLOPs of activation checkpointing's
     recomputed forward are kept apart (`recompute`): ops that run inside backward with grad mode on (the autograd
-    engine runs the backward functions with it off; torch.utils.checkpoint recomputes under enable_grad).
+    engine runs the backward functions with it off; torch.utils.checkpoint recomputes under enable_grad), and a
+    4-bit layer's forward matmul there (bitsandbytes' autograd Function runs it with grad mode off,
+    `DequantisingGemm4bit`).
 
     A DTensor op (tp-ft's sharded projections) is seen here, as by FlopCounterMode, at its logical (whole-tensor)
     shape, before DTensor runs it on the local shards: its FLOPs are counted on the local shards, this rank's
@@ -254,7 +256,7 @@ class MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
                 DTensor, lambda t: t.to_local(), (args, kwargs, out)
             )
             flops = formula(*args, **kwargs, out_val=local_out)
-            if torch._C._current_graph_task_id() != -1 and torch.is_grad_enabled():
+            if torch._C._current_graph_task_id() != -1 and (torch.is_grad_enabled() or GEMM_4BIT.in_forward):
                 self.recompute += flops
                 return out
             flat = torch.utils._pytree.tree_leaves((args, kwargs))
@@ -316,6 +318,8 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
         counts = models.parameter_counts(model)
         script.parallelize(model, world, 0, dist.group.WORLD, args.sequence_parallel)
     else:  # as experiments/single-gpu-ft and ddp-ft/train.py
+        if args.quant == "nf4":
+            quantize_meta(model, dtype)
         model = models.freeze_base(
             model, args.grad_checkpointing, reentrant=getattr(args, "reentrant_checkpointing", False)
         )
@@ -325,15 +329,85 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
     return model, counts
 
 
-def materialise(model, device: torch.device) -> None:
+def quantize_meta(model, dtype: torch.dtype) -> None:
+    """The meta model's projections made bitsandbytes `Linear4bit` layers by transformers' own quantizer, as
+    `from_pretrained(quantization_config=models.bnb_config(dtype))` makes them before loading the weights (the
+    lm_head stays bf16); `quantize_fake` gives them their 4-bit weights."""
+    from transformers.quantizers import AutoHfQuantizer
+
+    quantizer = AutoHfQuantizer.from_config(models.bnb_config(dtype))
+    quantizer.preprocess_model(model, device_map={"": "cpu"}, dtype=dtype)
+    quantizer.postprocess_model(model)
+
+
+def quantize_fake(model) -> list[torch.Tensor]:
+    """Each `Linear4bit`'s weight quantized by bitsandbytes' own `quantize_4bit` from a fake bf16 weight, with the
+    layer's settings (NF4, double quantization, blocksize 64), so the packed weight and its quantization constants
+    have the shapes and dtypes bitsandbytes gives a loaded checkpoint. Call inside FakeTensorMode: bitsandbytes
+    registers fake kernels for its 4-bit ops. The packed weight is a plain frozen parameter carrying its
+    `quant_state`, which `Linear4bit.forward` reads (a `Params4bit` cannot wrap a fake tensor). Returns the
+    constants' tensors (absmax codes, their fp32 absmax, code book and offset), which live beside the parameter."""
+    import bitsandbytes as bnb
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    if layers:  # double quantization's 8-bit code book, which bitsandbytes computes from values once and caches
+        with unset_fake_temporarily():
+            bnb.functional.name2qmap.setdefault("dynamic", bnb.functional.create_dynamic_map())
+    constants = []
+    for module in layers:
+        settings = module.settings_4bit
+        # the checkpoint's weight, in the dtype the scripts load it in (their compute dtype)
+        weight = torch.empty(module.out_features, module.in_features, dtype=module.compute_dtype)
+        packed, state = bnb.functional.quantize_4bit(weight, **settings)
+        module.weight = torch.nn.Parameter(packed, requires_grad=False)
+        module.weight.quant_state = state
+        constants += [state.absmax, state.offset, state.state2.absmax, state.state2.code]
+    return constants
+
+
+def quantization_report(model, constants: list[torch.Tensor]) -> dict:
+    """The 4-bit base's bytes per quantized weight as bitsandbytes stores them (packed codes and constants), beside
+    the memory model's NF4_BYTES_PER_PARAM."""
+    import bitsandbytes as bnb
+
+    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    params = sum(m.in_features * m.out_features for m in layers)
+    packed = sum(comm.nbytes([m.weight]) for m in layers)
+    constant_bytes = comm.nbytes(constants)
+    return {
+        "quantized": {
+            "linear_params": params,
+            "packed_bytes": packed,
+            "constants_bytes": constant_bytes,
+            "bytes_per_param": (packed + constant_bytes) / params,
+            "model_bytes_per_param": memory.NF4_BYTES_PER_PARAM,
+        }
+    }
+
+
+def materialise(model, device: torch.device) -> list[torch.Tensor]:
     """Storage (fake, inside FakeTensorMode) for every parameter and buffer, and the RoPE frequencies, a
-    non-persistent buffer that to_empty leaves uninitialised, recomputed as the scripts do."""
+    non-persistent buffer that to_empty leaves uninitialised, recomputed as the scripts do; a 4-bit base's
+    projections quantized (`quantize_fake`), whose constants it returns."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():  # to_empty replaces a Params4bit with a plain tensor: keep its settings
+        if isinstance(module, bnb.nn.Linear4bit):
+            w = module.weight
+            module.settings_4bit = dict(
+                blocksize=w.blocksize,
+                compress_statistics=w.compress_statistics,
+                quant_type=w.quant_type,
+                quant_storage=w.quant_storage,
+            )
     model.to_empty(device=device)
     # to_empty gives each module its own new tensor, so a parameter two modules share (the tied embedding and
     # lm_head) comes out as two: tie them again, as loading ties them. (FSDP2 keeps one shard for a shared one.)
     model.base_model.model.tie_weights()
     inner = model.base_model.model.model
     inner.rotary_emb = type(inner.rotary_emb)(inner.config).to(device)
+    return quantize_fake(model)
 
 
 def pipeline(script, model, args, world: int, device: torch.device, microbatches: int, denominator: int):
@@ -480,8 +554,27 @@ def measure(opts: argparse.Namespace) -> dict:
             "LoRA dropout runs as torch.native_dropout, CUDA's fused kernel, which saves a 1-byte mask; CPU's "
             "dropout multiplies by a noise tensor in the input dtype and saves that instead"
         )
-    with FakeTensorMode(allow_non_fake_inputs=True), cuda_dropout(), causal_mask_skipped(unmasked):
-        materialise(model, device)
+    nf4 = getattr(args, "quant", "none") == "nf4"
+    if nf4:
+        rows_4bit = args.micro_batch_size * args.max_length
+        stand_ins.append(
+            "the 4-bit base: transformers' bitsandbytes quantizer makes the meta model's projections Linear4bit "
+            "layers, as from_pretrained does; each weight is quantized by bitsandbytes' quantize_4bit from a fake "
+            "bf16 weight (NF4, double quantization, blocksize 64) and kept as a plain frozen parameter carrying "
+            "its quant_state (a Params4bit cannot wrap a fake tensor); the quantization constants are tracked as "
+            "'Other'. gemm_4bit runs as bitsandbytes' CUDA kernel runs it past "
+            f"{GEMM_4BIT_FUSED_MAX_ROWS} rows (dequantize to a bf16 weight, F.linear; its fake kernel allocates "
+            f"and computes nothing); these micro-batches have {rows_4bit} rows"
+            + ("" if rows_4bit > GEMM_4BIT_FUSED_MAX_ROWS else ", where CUDA runs the fused kernel instead")
+        )
+    with (
+        FakeTensorMode(allow_non_fake_inputs=True),
+        cuda_dropout(),
+        causal_mask_skipped(unmasked),
+        dequantising_gemm_4bit() if nf4 else contextlib.nullcontext(),
+    ):
+        constants = materialise(model, device)
+        quantized = quantization_report(model, constants) if nf4 else {}
         recorder = comm.CommRecorder(device)
         if pp:  # from here on, `model` is this rank's stage, as in pp-ft once it drops the other ranks' layers
             model, stage, schedule = pipeline(script, model, args, world, device, accum, n_target)
@@ -568,7 +661,7 @@ def measure(opts: argparse.Namespace) -> dict:
 
         # ---- `steps` optimizer steps of `accum` micro-steps each, memory tracked from the start.
         keys = ("input_ids", "target") if pp else ("input_ids", "attention_mask", "logit_positions", "targets")
-        tracker = make_tracker(technique, model, optimizer, tuple(mb[k] for k in keys))
+        tracker = make_tracker(technique, model, optimizer, (*(mb[k] for k in keys), *constants))
         with no_tracker_graph_leak(), tracker:
             for _ in range(opts.steps):
                 optimizer_step_of_micro_steps(tracker)
@@ -663,6 +756,7 @@ def measure(opts: argparse.Namespace) -> dict:
             **({"schedule": args.schedule, "pipeline_microbatches": accum, "stage": stage.stage_index} if pp else {}),
         },
         "parameters": counts,
+        **quantized,
         "tracked_peak_bytes": tracked_total,
         "categories": categories,
         "predicted_bytes": int(predicted["total"]),
@@ -807,6 +901,44 @@ def no_tracker_graph_leak():
         return hook(tensors, (lambda grad: fn([grad])) if mode == "all" else fn, mode="any")
 
     with mock.patch.object(mod_tracker, "register_multi_grad_hook", first_gradient):
+        yield
+
+
+# Rows above which bitsandbytes' CUDA gemm_4bit dequantizes the weight and calls F.linear instead of its fused
+# kernel (bitsandbytes/backends/cuda/ops.py, `_gemm_4bit_custom_max_m`).
+GEMM_4BIT_FUSED_MAX_ROWS = 1536
+
+
+class DequantisingGemm4bit(threading.local):
+    """bitsandbytes' `gemm_4bit` op as its CUDA kernel runs it past GEMM_4BIT_FUSED_MAX_ROWS rows
+    (`_dequant_linear_fallback`): the 8-bit absmax dequantized to fp32, the weight dequantized to a new tensor in
+    the activation dtype, F.linear. Its fake kernel returns an empty output, allocating and computing nothing.
+    It runs inside bitsandbytes' autograd Function, where grad mode is off even in checkpointing's recompute:
+    `in_forward` tells MatmulDtypes that its matmul is a forward."""
+
+    in_forward = False
+
+    def default(self, A, B, shapeB, absmax, blocksize, quant_type, bias=None, absmax_8bit=None, **nested):
+        ops = torch.ops.bitsandbytes
+        if absmax_8bit is not None:
+            absmax = (
+                ops.dequantize_blockwise(absmax_8bit, absmax, nested["absmax_code"], 256, torch.float32)
+                + nested["absmax_offset"]
+            )
+        weight = ops.dequantize_4bit(B, absmax, blocksize, quant_type, shapeB, A.dtype)
+        self.in_forward = True
+        try:
+            return torch.nn.functional.linear(A, weight, bias)
+        finally:
+            self.in_forward = False
+
+
+GEMM_4BIT = DequantisingGemm4bit()
+
+
+@contextlib.contextmanager
+def dequantising_gemm_4bit():
+    with mock.patch.object(torch.ops.bitsandbytes, "gemm_4bit", GEMM_4BIT):
         yield
 
 

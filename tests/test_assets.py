@@ -106,7 +106,9 @@ def test_each_decoder_layer_costs_on_the_h100_what_the_memory_model_says():
     what it is: 64-66 MiB, 72 MiB more with a padded row; without cuBLAS's workspace, under 8 MiB unpadded)."""
     from ftkit import metrics, models, realscale, run
 
-    args = realscale.script_args(run.load_experiment("single-gpu-ft"), realscale.parse_args(["--technique", "single"]))
+    args = realscale.script_args(
+        run.load_experiment("single-gpu-ft"), realscale.parse_args(["--technique", "single", "--quant", "none"])
+    )
     rows = [json.loads(line) for line in (GPU_EXTRA / "gpu-memory-layers.jsonl").read_text().splitlines()]
     runs = [r for r in rows if "layers" in r]
     assert {(r["layers"], r["padded"]) for r in runs} == {(n, p) for n in (1, 2, 4) for p in (False, True)}
