@@ -341,7 +341,7 @@ def predict(
       peak, with its backward's gradients.
     - Logits: cross-entropy saves its fp32 log-softmax, and its backward adds two fp32 tensors of the same size:
       12 bytes per logit at the loss peak (the model's own bf16 logits are freed before backward: the scripts
-      drop the output; pp's schedule keeps them). Beside them the final norm's fp32 input and the lm_head's
+      drop the output, pp-ft's loss function its logits). Beside them the final norm's fp32 input and the lm_head's
       input picked at the answer positions (`logits_to_keep`), which saves the whole normed sequence.
       `logit_positions` is how many positions per sequence the lm_head runs on, None counting every position
       (seq_len), an upper bound. Under TP they are gathered (full vocab on every rank).
@@ -356,7 +356,8 @@ def predict(
     - PP: GPipe keeps all m micro-batches in flight on every stage; 1F1B keeps min(m, p - k) on stage k, so
       min(m, p) on the first and 1 on the last. num_microbatches (m) defaults to pp. pp_stage: "first" or
       "last" predicts that stage (the first holds the embedding and the most micro-batches in flight, the last
-      the lm_head and the loss), None the busier of the two.
+      the lm_head and the loss), None the busier of the two. The last stage's output (the normed sequence) is
+      kept for every micro-batch of the step: the schedule merges them into the step's output.
     - Every layer is counted alike, though layer 0 saves a little less: its input, the frozen embedding's
       output, needs no gradient, so autograd skips its first norm's input (and q/k/v dropout masks).
     """
@@ -445,12 +446,16 @@ def predict(
             # Saved until the loss backward: the final norm's fp32 input and 1/rms; the lm_head's input picked at
             # the answer positions (a gather that saves the whole normed sequence and an int64 index of the picked
             # rows' shape); cross-entropy's fp32 log-softmax. The model's own bf16 logits are freed before backward
-            # (the scripts drop the output), except under pp, whose schedule keeps each micro-batch's stage output.
+            # (the scripts drop the output; pp-ft's loss function makes them from its stage output and drops them).
             final_norm = tokens * (FP32 * (shape.hidden + 1) + (2 * act * shape.hidden if full_finetune else 0)) / sp
-            picked = 0.0 if logit_positions is None else tokens * act * shape.hidden + 8 * positions * shape.hidden
-            picked += tokens * act * shape.hidden if sequence_parallel else 0.0  # the sequence all-gather's copy
-            saved = final_norm + picked + (FP32 + (act if technique == "pp" else 0)) * n_logits
-            acts += (in_flight - 1) * saved
+            normed = tokens * act * shape.hidden
+            # pp's stage output is the normed sequence, which the schedule keeps for every micro-batch of the step
+            # (its merged output): counted below, once per micro-batch, not with each micro-batch's saved tensors.
+            picked = 0.0 if logit_positions is None else 8 * positions * shape.hidden
+            picked += normed if logit_positions is not None and technique != "pp" else 0.0
+            picked += normed if sequence_parallel else 0.0  # the sequence all-gather's copy
+            saved = final_norm + picked + FP32 * n_logits
+            acts += (in_flight - 1) * saved + (m * normed if technique == "pp" else 0.0)
             # The last micro-batch's loss backward: the log-softmax's gradient and its input's, fp32, beside it.
             loss_peak = saved + 2 * FP32 * n_logits
         # The layer's backward holds gradients beside what it saved; at its peak, inside down_proj's LoRA backward:

@@ -259,18 +259,17 @@ def test_pp_stage_0_runs_the_scripts_1f1b_schedule():
 
 def test_pp_last_stage_runs_the_scripts_1f1b_schedule_and_loss():
     """pp-ft's last stage at world 2, rank 1: one decoder layer, the final norm, the lm_head (the tied embedding)
-    and pp-ft's loss on the answer positions, under 1F1B (one micro-batch in flight). The tracked peak is 0.966 of
-    the memory model's last stage: the model's loss peak (1.16 GB of activations) is above the real one, because it
-    counts each in-flight micro-batch's bf16 logits as kept by the schedule (2 B per logit, 156 MB), which pp-ft's
-    loss frees (its stage output is the normed hidden state); the real peak is in the layer's backward, with four
-    [2, 2048, 2560] bf16 tensors (84 MB) the model does not count there: both micro-batches' stage outputs, kept
-    for the schedule's merged output, the first micro-batch's input gradient, held by its send op until the second
-    backward ends, and one more. The lm_head runs on the answer positions only: 256/2048 of the convention's."""
+    and pp-ft's loss on the answer positions, under 1F1B (one micro-batch in flight). The memory model is a floor
+    within 3%: it counts both micro-batches' stage outputs (the normed sequence, kept by the schedule for its merged
+    output) and no bf16 logits (pp-ft's loss frees them); the peak is in the layer's backward, where two
+    [2, 2048, 2560] bf16 tensors more are held (1.020 measured: the first micro-batch's input gradient, kept by its
+    send op, and one not identified). Counting the logits as kept, as the model once did, reads 0.966; not
+    counting the kept outputs, 1.04. The lm_head runs on the answer positions only: 256/2048 of the convention's."""
     result = pp_run("last")
     cfg = result["config"]
     assert result["rank"] == 1 and cfg["stage"] == 1 and cfg["schedule"] == "1f1b"
     assert result["predicted_bytes"] == result["predicted_bytes_by_stage"]["last"]
-    assert 0.955 <= result["tracked_over_predicted"] <= 0.975, (result["categories"], result["predicted"])
+    assert 1.0 <= result["tracked_over_predicted"] <= 1.03, (result["categories"], result["predicted"])
     counted, convention = result["flops_counted_by_component"], result["flops_convention_by_component"]
     assert counted["lm_head"] == pytest.approx(
         convention["lm_head"] * cfg["answer_tokens"] / cfg["max_length"], rel=1e-6
