@@ -1,5 +1,6 @@
 """The table of the fake-tensor runs at Qwen3-4B's shape recorded in devlogs/runs/realscale/ (ftkit.realscale's
-JSON output), as markdown:
+JSON output), as markdown, and what is covered: for every technique at world sizes 1, 2, 4 and 8, the runs'
+tracked / predicted peak (checkpointing on and off), ftkit.realscale's refusal, or that it has not been run:
 
     uv run python assets/real_scale_table.py
 """
@@ -13,7 +14,37 @@ RUNS = Path(__file__).resolve().parents[1] / "devlogs" / "runs" / "realscale"
 GIB = 2**30
 
 
+WORLDS = (1, 2, 4, 8)
+
+
+def coverage(runs: list[dict]) -> None:
+    """Technique x world size: each committed run's tracked / predicted, or why the command refuses that world."""
+    from ftkit import realscale
+
+    print("| technique | " + " | ".join(f"world {w}" for w in WORLDS) + " |")
+    print("|---" * (len(WORLDS) + 1) + "|")
+    for technique in realscale.SCRIPTS:
+        cells = []
+        for world in WORLDS:
+            found = [r for r in runs if r["technique"] == technique and r["world_size"] == world]
+            if found:
+                cells.append("; ".join(describe(r) for r in found))
+            else:
+                why = realscale.refusal(["--technique", technique, "--world", str(world)])
+                cells.append(f"refused: {why}" if why else "not run yet")
+        print(f"| {technique} | " + " | ".join(cells) + " |")
+
+
+def describe(r: dict) -> str:
+    c = r["config"]
+    notes = ["checkpointing" if c["grad_checkpointing"] else "no checkpointing"]
+    notes += ["NF4"] if c["quant"] == "nf4" else []
+    notes += [f"batch {c['batch_size']}"] if c["batch_size"] != 16 else []
+    return f"{r['tracked_over_predicted']:.3f} ({', '.join(notes)})"
+
+
 def main() -> None:
+    runs = []
     print(
         "| run | technique | world | global batch | micro-steps run | checkpointing | tracked peak GiB | predicted GiB "
         "| tracked / predicted | FLOPs counted / convention | with recompute / counted | bf16 share of matmul FLOPs |"
@@ -21,10 +52,15 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for path in sorted(RUNS.glob("*.json")):
         r = json.loads(path.read_text())
+        runs.append(r)
         ratio = r["flops_counted_with_recompute"] / r["flops_counted"]
+        c = r["config"]
+        technique = r["technique"] + (" QLoRA (NF4)" if c["quant"] == "nf4" else "")
+        if r["technique"] == "pp":
+            technique += f", {c['schedule']}, stage {c['stage']} of {r['world_size']}"
         cells = [
             path.stem,
-            r["technique"],
+            technique,
             r["world_size"],
             r["config"]["batch_size"],
             f"{r['config']['micro_steps_run']} of {r['config']['accumulation_steps']}",
@@ -37,6 +73,8 @@ def main() -> None:
             f"{r['bf16_matmul_fraction']:.4f}",
         ]
         print("| " + " | ".join(str(c) for c in cells) + " |")
+    print()
+    coverage(runs)
 
 
 if __name__ == "__main__":

@@ -208,6 +208,31 @@ def script_args(script, opts: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
+def configure(opts: argparse.Namespace) -> tuple:
+    """The script, its flags and the rank this process plays; every refusal (the script's own included) raised
+    here, before any model is built. pp: the script's refusal of stages that do not split the layers evenly."""
+    script = run.load_experiment(SCRIPTS[opts.technique])
+    args = script_args(script, opts)
+    rank = 0
+    if opts.technique == "pp":
+        layers = opts.layers or models.QWEN3_4B_CONFIG["num_hidden_layers"]
+        n_stages, _ = script.stage_layout(layers, opts.world, args.schedule)
+        if opts.pp_stage == "last":  # pp-ft's last_rank: the rank that holds the last stage
+            rank = next(
+                r for r in range(opts.world) if n_stages - 1 in script.rank_stages(r, opts.world, args.schedule)
+            )
+    return script, args, rank
+
+
+def refusal(argv: list[str]) -> str | None:
+    """Why this command refuses `argv`, or None if it would run it."""
+    try:
+        configure(parse_args(argv))
+    except (RealScaleError, run.RunError, data.DataError) as e:
+        return str(e)
+    return None
+
+
 def synthetic_micro_batch(micro_batch_size: int, length: int, answer: int, vocab: int) -> dict:
     """Full-length sequences whose last `answer` tokens are the answer, collated as the scripts collate AMI
     examples (`data.collate`), so `logit_positions` and `targets` are built the same way. Token ids are random."""
@@ -472,15 +497,7 @@ def measure(opts: argparse.Namespace) -> dict:
 
     technique, world = opts.technique, opts.world
     pp = technique == "pp"
-    script = run.load_experiment(SCRIPTS[technique])
-    args = script_args(script, opts)
-    rank = 0
-    if pp:  # the script's refusal of stages that do not split the layers evenly, before the model is built
-        n_stages, _ = script.stage_layout(
-            opts.layers or models.QWEN3_4B_CONFIG["num_hidden_layers"], world, args.schedule
-        )
-        if opts.pp_stage == "last":  # pp-ft's last_rank: the rank that holds the last stage
-            rank = next(r for r in range(world) if n_stages - 1 in script.rank_stages(r, world, args.schedule))
+    script, args, rank = configure(opts)
     device = torch.device("cpu")
     dtype = run.torch_dtype(args.dtype)
     # TP splits the layers, PP the depth, not the batch; PP's accumulation steps are the pipeline's micro-batches

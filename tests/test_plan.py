@@ -44,8 +44,9 @@ def test_the_planners_memory_is_the_one_checked_at_real_scale_and_its_margin_cov
     r = json.loads(path.read_text())
     c = r["config"]
     s = setting(gpus=r["world_size"], **plan.run_flags(c))
-    mesh = {"single": {}, "ddp": {"dp": r["world_size"]}, "fsdp": {"dp": r["world_size"]}}.get(
-        r["technique"], {"tp": r["world_size"]}
+    world = r["world_size"]
+    mesh = {"single": {}, "ddp": {"dp": world}, "fsdp": {"dp": world}, "pp": {"pp": world}}.get(
+        r["technique"], {"tp": world}
     )
     planned = plan.evaluate(s, r["technique"], mesh, c["quant"])
     # The same memory model at the same configuration as the fake-tensor run's prediction ...
