@@ -36,7 +36,7 @@ def row(result: dict, experiment: str, **match) -> dict:
 
 
 def test_there_are_tracked_runs_to_check_against():
-    assert {json.loads(p.read_text())["technique"] for p in REALSCALE} == {"single", "ddp", "fsdp", "tp", "tp-sp"}
+    assert {json.loads(p.read_text())["technique"] for p in REALSCALE} == {"single", "ddp", "fsdp", "tp", "tp-sp", "pp"}
 
 
 @pytest.mark.parametrize("path", REALSCALE, ids=[p.stem for p in REALSCALE])
