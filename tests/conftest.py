@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import atexit
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -37,16 +42,97 @@ def data_dir() -> Path:
     return DATA
 
 
-def run_script(*args: str, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    """Run a repository script with this interpreter; its output is returned for the assertions and shown
-    when a test fails."""
-    proc = subprocess.run(
-        [sys.executable, *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})},
-    )
+class Forked:
+    """A run the fork server started: what the tests use of subprocess.Popen (pid, poll, wait), its output in files.
+    The child leads a session of its own, so os.killpg(pid, ...) stops it with everything it started."""
+
+    def __init__(self, server: ForkServer, pid: int) -> None:
+        self.server, self.pid, self.returncode = server, pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self.server.ready(0):
+            self.returncode = self.server.reply(0)["returncode"]
+        return self.returncode
+
+    def wait(self, timeout: float) -> int:
+        if self.returncode is None:
+            self.returncode = self.server.reply(timeout)["returncode"]
+        return self.returncode
+
+
+class ForkServer:
+    """The client of tests/forkserver.py: started on the first run, stopped with the test session. One run at a
+    time, as the tests run."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests" / "forkserver.py")],
+            cwd=ROOT,
+            # numpy's OpenBLAS starts a worker thread when imported; one BLAS thread keeps the server single-threaded
+            env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        ready = self.reply(timeout=120)
+        assert ready["ready"], f"the fork server has {ready['threads']} threads before forking; it needs one"
+
+    def ready(self, timeout: float) -> bool:
+        return bool(select.select([self.proc.stdout], [], [], timeout)[0])
+
+    def reply(self, timeout: float) -> dict:
+        if not self.ready(timeout):
+            raise subprocess.TimeoutExpired(self.proc.args, timeout)
+        line = self.proc.stdout.readline()
+        assert line, f"the fork server ended (exit {self.proc.poll()})"
+        return json.loads(line)
+
+    def start(self, args: list[str], env: dict, stdout: Path, stderr: Path) -> Forked:
+        request = {"argv": args, "cwd": str(ROOT), "env": env, "stdout": str(stdout), "stderr": str(stderr)}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return Forked(self, self.reply(timeout=60)["pid"])
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
+_fork_server: ForkServer | None = None
+
+
+def fork_server() -> ForkServer:
+    global _fork_server
+    if _fork_server is None:
+        _fork_server = ForkServer()
+        atexit.register(_fork_server.stop)
+    return _fork_server
+
+
+def run_script(
+    *args: str, timeout: int = 300, env: dict | None = None, fresh: bool = False
+) -> subprocess.CompletedProcess:
+    """Run a repository script (or `-m module`) with this interpreter, as `python *args` from the repository root;
+    its output is returned for the assertions and shown when a test fails. Forked from the fork server
+    (tests/forkserver.py: torch and the rest already imported), unless `fresh` or `env` asks for an interpreter
+    of its own, whose imports see that environment."""
+    full_env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", **(env or {})}
+    if fresh or env:
+        proc = subprocess.run(
+            [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=full_env
+        )
+    else:
+        with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
+            out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
+            child = fork_server().start(list(args), full_env, out, err)
+            try:
+                child.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(child.pid, signal.SIGKILL)
+                child.wait(60)
+                raise
+            proc = subprocess.CompletedProcess(
+                [sys.executable, *args], child.returncode, out.read_text(), err.read_text()
+            )
     print(f"$ {' '.join(args)}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-4000:]}")
     return proc

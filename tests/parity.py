@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from conftest import ROOT, run_script
+from conftest import ROOT, Forked, fork_server, run_script
 from safetensors.torch import load_file
 
 REFERENCE = "experiments/single-gpu-ft/train.py"
@@ -102,23 +102,24 @@ def torchrun(
     ]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **(env or {})}
     start = time.monotonic()
-    # A session of its own, so a launch that hangs can be stopped with every process it started.
-    proc = subprocess.Popen(
-        args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
-    )
+    # The agent is forked from the fork server (conftest.fork_server: torch already imported) in a session of its
+    # own, so a launch that hangs can be stopped with every process it started; the ranks it starts are fresh
+    # interpreters, as on a reader's machine.
+    output_file = log_dir.with_name(log_dir.name + ".out")  # torchrun's own output, beside its log folder
+    proc = fork_server().start(args[1:], env, output_file, output_file)
     try:
         if meanwhile is not None:
             meanwhile(proc)
-        output, _ = proc.communicate(timeout=timeout)
-        returncode = proc.returncode
+        returncode = proc.wait(timeout)
+        output = output_file.read_text(errors="replace")
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGTERM)  # torchrun passes it on to the ranks
         try:
-            output, _ = proc.communicate(timeout=15)
+            proc.wait(15)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-        output = f"TIMED OUT after {timeout} s\n{output}"
+            proc.wait(60)
+        output = f"TIMED OUT after {timeout} s\n{output_file.read_text(errors='replace')}"
         returncode = -1
     launch = Launch(args, returncode, time.monotonic() - start, output, _rank_logs(log_dir))
     print(launch.report())  # pytest shows it when the test fails
@@ -176,7 +177,7 @@ def kill_rank_when(rank: int, appears: Path, timeout: float = 240):
     """A `meanwhile` for `torchrun`: once the path `appears` exists, SIGKILL the worker process of `rank` (found by
     the RANK variable torchrun sets in each worker's environment), as a crashed GPU or node would end it."""
 
-    def kill(proc: subprocess.Popen) -> None:
+    def kill(proc: Forked) -> None:
         deadline = time.monotonic() + timeout
         while not appears.exists():
             assert proc.poll() is None, f"the launch ended before {appears} appeared"

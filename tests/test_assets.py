@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import json
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import run_script
 
 ROOT = Path(__file__).resolve().parents[1]
 GPU_RUNS = ROOT / "devlogs" / "runs" / "single-gpu-ft"
@@ -16,9 +16,7 @@ GPU_EXTRA = ROOT / "devlogs" / "runs" / "single-gpu-ft-gpu"
 
 
 def run_asset(*args: str) -> str:
-    out = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=600, check=False
-    )  # fmt: skip
+    out = run_script(*args, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout
 
