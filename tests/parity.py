@@ -48,6 +48,7 @@ class Launch:
     """One torchrun launch: its exit code, torchrun's own output, and what each local rank printed."""
 
     args: list[str]
+    pid: int  # the agent's
     returncode: int
     seconds: float
     output: str
@@ -77,9 +78,11 @@ def torchrun(
     max_restarts: int = 0,
     meanwhile=None,
     env: dict | None = None,
+    fork_workers: bool = True,
 ) -> Launch:
     """`python -m torch.distributed.run --standalone --nproc_per_node=N [--max-restarts=K] script flags`, from the
-    repo root. `meanwhile(proc)`, if given, runs while the launch does (e.g. `kill_rank_when`)."""
+    repo root. `meanwhile(proc)`, if given, runs while the launch does (e.g. `kill_rank_when`). The workers are
+    forked from the agent (tests/forkserver.py), or started as fresh interpreters with `fork_workers=False`."""
     # A fresh log folder per launch, next to the run directory when there is one.
     out = Path(flags[flags.index("--output-dir") + 1]) if "--output-dir" in flags else None
     parent = out.parent if out is not None else None
@@ -103,10 +106,9 @@ def torchrun(
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1", **(env or {})}
     start = time.monotonic()
     # The agent is forked from the fork server (conftest.fork_server: torch already imported) in a session of its
-    # own, so a launch that hangs can be stopped with every process it started; the ranks it starts are fresh
-    # interpreters, as on a reader's machine.
+    # own, so a launch that hangs can be stopped with every process it started.
     output_file = log_dir.with_name(log_dir.name + ".out")  # torchrun's own output, beside its log folder
-    proc = fork_server().start(args[1:], env, output_file, output_file)
+    proc = fork_server().start(args[1:], env, output_file, output_file, fork_workers=fork_workers)
     try:
         if meanwhile is not None:
             meanwhile(proc)
@@ -121,7 +123,7 @@ def torchrun(
             proc.wait(60)
         output = f"TIMED OUT after {timeout} s\n{output_file.read_text(errors='replace')}"
         returncode = -1
-    launch = Launch(args, returncode, time.monotonic() - start, output, _rank_logs(log_dir))
+    launch = Launch(args, proc.pid, returncode, time.monotonic() - start, output, _rank_logs(log_dir))
     print(launch.report())  # pytest shows it when the test fails
     return launch
 
@@ -175,7 +177,7 @@ def slurm(bin_dir: Path, script: str, *flags: str, nodes: int = 2, per_node: int
 
 def kill_rank_when(rank: int, appears: Path, timeout: float = 240):
     """A `meanwhile` for `torchrun`: once the path `appears` exists, SIGKILL the worker process of `rank` (found by
-    the RANK variable torchrun sets in each worker's environment), as a crashed GPU or node would end it."""
+    the output file torchrun gave it, <log-dir>/.../<local rank>/stdout.log), as a crashed GPU or node would end it."""
 
     def kill(proc: Forked) -> None:
         deadline = time.monotonic() + timeout
@@ -191,13 +193,13 @@ def kill_rank_when(rank: int, appears: Path, timeout: float = 240):
 
 
 def _is_worker(proc_dir: Path, agent_pid: int, rank: int) -> bool:
-    """Whether /proc/<pid> is a worker of the torchrun agent `agent_pid` running `rank`."""
+    """Whether /proc/<pid> is a worker of the torchrun agent `agent_pid` running local rank `rank`."""
     try:
         ppid = int((proc_dir / "stat").read_text().rsplit(")", 1)[1].split()[1])
-        env = (proc_dir / "environ").read_bytes().split(b"\0")
+        stdout = Path(os.readlink(proc_dir / "fd" / "1"))
     except (OSError, ValueError, IndexError):
         return False  # gone meanwhile, or not ours to read
-    return ppid == agent_pid and f"RANK={rank}".encode() in env
+    return ppid == agent_pid and stdout.name == "stdout.log" and stdout.parent.name == str(rank)
 
 
 def _rank_logs(log_dir: Path) -> dict[int, dict[str, str]]:

@@ -5,12 +5,10 @@ from __future__ import annotations
 import json
 import runpy
 import sys
-from pathlib import Path
 
 import pytest
-from conftest import run_script
+from conftest import ROOT, run_script
 
-ROOT = Path(__file__).resolve().parents[1]
 GPU_RUNS = ROOT / "devlogs" / "runs" / "single-gpu-ft"
 GPU_EXTRA = ROOT / "devlogs" / "runs" / "single-gpu-ft-gpu"
 

@@ -89,3 +89,45 @@ def _cmdline(pid: str) -> str:
         return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode().strip()
     except OSError:
         return ""
+
+
+WORKER_PROBE = """
+import json, os, signal, sys, torch
+print(json.dumps({
+    "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "name": __name__, "rank": os.environ["RANK"],
+    "env": os.environ.get("PROBE_VALUE"), "threads": torch.get_num_threads(), "stdin": sys.stdin.read(),
+    "session_leader": os.getpid() == os.getsid(0), "parent": os.getppid(),
+    "unbuffered": sys.stdout.write_through and sys.stderr.write_through,
+    "signals": {s.name: repr(signal.getsignal(s)) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)},
+}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(os.environ["RANK"]) * 3)
+"""
+
+
+def test_forked_torchrun_workers_are_what_torchrun_starts(tmp_path, monkeypatch):
+    """parity.torchrun's agent forks its workers (forkserver.fork_torchrun_workers); each must see what the
+    `python -u script args` torchrun would start sees, and fail the launch the same way."""
+    import conftest
+    import parity
+
+    script = tmp_path / "worker_probe.py"
+    script.write_text(WORKER_PROBE)
+    # A server of this test's own, started without PYTHONUNBUFFERED (which a shell may have set), so that its
+    # workers are unbuffered only if the forked child makes them so, as `python -u` does.
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)
+    server = conftest.ForkServer()
+    monkeypatch.setattr(conftest, "_fork_server", server)
+    monkeypatch.setenv("PROBE_VALUE", "set after the server started")
+    launches, out = {}, tmp_path / "run"  # the probe writes nothing there; torchrun's logs go beside it
+    for fork_workers in (True, False):
+        launches[fork_workers] = parity.torchrun(str(script), "--output-dir", str(out), fork_workers=fork_workers)
+    server.stop()
+    forked, fresh = launches[True], launches[False]
+    assert forked.returncode == fresh.returncode == 1, forked.report()
+    for rank in (0, 1):
+        seen, expected = (json.loads(launch.ranks[rank]["stdout"]) for launch in (forked, fresh))
+        assert seen.pop("parent") == forked.pid and expected.pop("parent") == fresh.pid
+        assert seen == expected, (rank, seen, expected)
+        assert seen["rank"] == str(rank) and seen["threads"] == 1 and seen["unbuffered"] and seen["session_leader"]
+        assert forked.ranks[rank]["stderr"] == fresh.ranks[rank]["stderr"] == "to stderr\n"
