@@ -243,13 +243,21 @@ def ring_wire_bytes(kind: str, size: float, world: int) -> float:
 
 
 def fsdp_theory(
-    param_bytes: int, layer_unit_bytes: int, micro_steps: int, reshard_after_forward: bool, grad_bytes: int
+    param_bytes: int,
+    layer_unit_bytes: int,
+    micro_steps: int,
+    reshard_after_forward: bool,
+    grad_bytes: int,
+    world_size: int,
 ) -> dict[str, int]:
     """Bytes FSDP2 sends per optimizer step (experiments/fsdp-ft), of the full (gathered) buffers: every unit is
     all-gathered once per micro-step forward (`param_bytes`: all of them, in --param-dtype), and the layer units
     (`layer_unit_bytes`) once more per backward when they were resharded after forward; the trainable (LoRA)
     gradients (`grad_bytes`, in --reduce-dtype) are reduce-scattered once, at the micro-step that syncs (frozen
-    weights have no gradient and send nothing). The ring puts (N-1)/N of each on the wire (`ring_wire_bytes`)."""
+    weights have no gradient and send nothing). The ring puts (N-1)/N of each on the wire (`ring_wire_bytes`).
+    A group of one calls no collective: FSDP2 copies each unit's shards into its unsharded parameters instead."""
+    if world_size == 1:
+        return {"all_gather": 0, "reduce_scatter": 0}
     gathered = param_bytes + (layer_unit_bytes if reshard_after_forward else 0)
     return {"all_gather": micro_steps * gathered, "reduce_scatter": grad_bytes}
 

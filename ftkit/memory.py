@@ -467,11 +467,14 @@ def predict(
 
         # FSDP's unsharded copies for compute, on top of the resident shards: the root unit (embeddings, final
         # norm) throughout; the layers at the layer peak, the current one and the prefetched next (all of them,
-        # at both peaks, with reshard_after_forward=False, which keeps them from forward on).
+        # at both peaks, with reshard_after_forward=False, which keeps them from forward on). A group of one
+        # prefetches nothing: FSDP2 skips the all-gather and copies a unit's shards into its unsharded parameters
+        # when the unit runs, so only the current layer is unsharded.
         root = layer_set = 0.0
         if technique == "fsdp":
             root = outside * other_bytes
-            layer_set = (layer_weights + FP32 * layer_lora) * (2 if reshard_after_forward else layers)
+            held = (2 if shards > 1 else 1) if reshard_after_forward else layers
+            layer_set = (layer_weights + FP32 * layer_lora) * held
         at_loss = 0.0 if reshard_after_forward else layer_set
         if loss_peak + at_loss >= layer_peak + layer_set:
             acts, gathered = acts + loss_peak, root + at_loss

@@ -691,7 +691,7 @@ def measure(opts: argparse.Namespace) -> dict:
         with dtypes, counter, recording:
             optimizer_step_of_micro_steps()
         recorded = {kind: {"bytes": s["bytes"], "count": s["count"]} for kind, s in recorder.take().items()}
-        theory = collective_theory(technique, model, config, args, counts, mb, runs, replicated)
+        theory = collective_theory(technique, model, config, args, counts, mb, runs, replicated, world)
         peak = tracker.get_tracker_snapshot("peak")
     elapsed = time.perf_counter() - started
 
@@ -833,7 +833,9 @@ def measure(opts: argparse.Namespace) -> dict:
     }
 
 
-def collective_theory(technique: str, model, config, args, counts: dict, mb: dict, micro_steps: int, replicated: list):
+def collective_theory(
+    technique: str, model, config, args, counts: dict, mb: dict, micro_steps: int, replicated: list, world: int
+):
     """The bytes per collective kind that the script's summary states as theory (`theory_*`), for an optimizer
     step of `micro_steps` micro-batches like `mb`, from the same functions (ftkit/comm.py)."""
     if technique == "fsdp":
@@ -847,6 +849,7 @@ def collective_theory(technique: str, model, config, args, counts: dict, mb: dic
             micro_steps,
             args.reshard_after_forward,
             counts["trainable"] * run.torch_dtype(args.reduce_dtype).itemsize,
+            world,
         )
     # pp-ft's activation_bytes_per_microbatch, once per micro-batch: stage 0 sends each one's output forward, the
     # last stage its input gradient backward, both [micro, seq, hidden] in the compute dtype.

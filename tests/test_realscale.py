@@ -164,6 +164,21 @@ def test_fsdp_collectives_are_the_scripts_theory_to_the_byte(fsdp_world2):
     assert fsdp_world2["collective_counts"]["reduce_scatter"] == 2  # one per layer unit; the root has no LoRA
 
 
+def test_fsdp_on_one_rank_gathers_nothing():
+    """fsdp-ft on one rank: FSDP2 calls no collective (it copies each unit's shards into its unsharded parameters
+    as the unit runs), so nothing waits prefetched beside the current layer; fsdp-ft's theory says no bytes, and
+    the memory model holds one layer unsharded, not two (2 decoder layers, 2 of 8 micro-steps)."""
+    argv = ("--technique", "fsdp", "--world", "1", "--layers", "2", "--micro-steps", "2", "--json")
+    proc = run_script("-m", "ftkit.realscale", *argv, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    assert result["collective_bytes"] == result["collective_bytes_theory"] == {}
+    assert result["categories"]["All Gather"] == 0
+    unsharded, gathered = result["categories"]["Unsharded Param"], result["predicted"]["gathered"]
+    assert gathered == pytest.approx(unsharded, rel=0.005), (gathered, unsharded)
+    assert result["tracked_over_predicted"] == pytest.approx(1, abs=0.002), result["categories"]
+
+
 def test_tp_collectives_are_the_scripts_theory_to_the_byte(tp_world2):
     """tp-ft's all-reduces (DTensor's, recorded as functional collectives) and tp-sp-ft's all-gathers,
     reduce-scatters and LoRA-gradient all-reduce, in the counted step at Qwen3-4B's widths, are what each script's

@@ -365,6 +365,7 @@ def main() -> None:
         accum,
         args.reshard_after_forward,
         counts["trainable"] * run.torch_dtype(args.reduce_dtype).itemsize,
+        world,
     )
     summary = log.run_summary(
         last_step,
