@@ -88,8 +88,14 @@ class ForkServer:
         return json.loads(line)
 
     def start(self, args: list[str], env: dict, stdout: Path, stderr: Path, fork_workers: bool = False) -> Forked:
-        request = {"argv": args, "cwd": str(ROOT), "env": env, "stdout": str(stdout), "stderr": str(stderr)}
-        request["fork_workers"] = fork_workers
+        request = {
+            "argv": args,
+            "cwd": str(ROOT),
+            "env": env,
+            "stdout": str(stdout),
+            "stderr": str(stderr),
+            "fork_workers": fork_workers,
+        }
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         return Forked(self, self.reply(timeout=60)["pid"])

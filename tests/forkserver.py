@@ -53,19 +53,15 @@ PRELOAD = (
 def child(request: dict) -> NoReturn:
     """Become `python argv...` as the request describes it, and never return."""
     try:
-        os.setsid()
         os.chdir(request["cwd"])
-        os.environ.clear()
-        os.environ.update(request["env"])
         redirect(0, os.open(os.devnull, os.O_RDONLY))
-        files = {
+        files = {  # one file if stdout and stderr are the same path: 2>&1
             path: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
             for path in {request["stdout"], request["stderr"]}
         }
-        os.dup2(files[request["stdout"]], 1)
-        redirect(2, files[request["stderr"]])  # the same file as stdout, if asked: 2>&1
-        if request["stdout"] != request["stderr"]:
-            os.close(files[request["stdout"]])
+        become(request["env"], files[request["stdout"]], files[request["stderr"]])
+        for fd in files.values():
+            os.close(fd)
         sys.stdout = sys.__stdout__  # the server writes its replies only to the channel it was started with
         if request.get("fork_workers"):
             fork_torchrun_workers()
@@ -73,6 +69,17 @@ def child(request: dict) -> NoReturn:
         traceback.print_exc()
         os._exit(1)
     run_as_python(request["argv"])
+
+
+def become(env: dict[str, str], stdout: int | None, stderr: int | None) -> None:
+    """What a started subprocess gets: a session of its own, this environment, these fds as stdout and stderr
+    (None: keep the parent's)."""
+    os.setsid()
+    os.environ.clear()
+    os.environ.update(env)
+    for fd, to in ((1, stdout), (2, stderr)):
+        if to is not None:
+            os.dup2(to, fd)
 
 
 def redirect(fd: int, to: int) -> None:
@@ -145,7 +152,9 @@ def fork_torchrun_workers() -> None:
     """Make this process's torchrun agent fork its workers instead of starting `python -u script args` for each:
     a worker then starts with the stack imported, and otherwise as torchrun's subprocess would (its environment,
     a session of its own, its output files, the signal dispositions of a fresh interpreter, the thread count
-    OMP_NUM_THREADS asks for)."""
+    OMP_NUM_THREADS asks for). A forked worker also keeps the agent's open file descriptors (the rendezvous
+    store's sockets, the other workers' output files), as torchrun's own `--start-method fork` worker does: closing
+    them under the objects that own them would have those close a reused descriptor later."""
     from torch.distributed.elastic.multiprocessing.subprocess_handler import subprocess_handler
 
     def popen(handler, args: tuple, env: dict[str, str]) -> ForkedWorker:
@@ -153,12 +162,7 @@ def fork_torchrun_workers() -> None:
         if pid:
             return ForkedWorker(pid)
         try:
-            os.setsid()
-            os.environ.clear()
-            os.environ.update(env)
-            for fd, file in ((1, handler._stdout), (2, handler._stderr)):
-                if file is not None:
-                    os.dup2(file.fileno(), fd)
+            become(env, *(None if file is None else file.fileno() for file in (handler._stdout, handler._stderr)))
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
                 signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
             if "OMP_NUM_THREADS" in env:  # read by the OpenMP runtime when torch was imported, here before it
