@@ -40,6 +40,9 @@ def describe(r: dict) -> str:
     notes = ["checkpointing" if c["grad_checkpointing"] else "no checkpointing"]
     notes += ["NF4"] if c["quant"] == "nf4" else []
     notes += [f"batch {c['batch_size']}"] if c["batch_size"] != 16 else []
+    if r["technique"] == "pp":  # 1F1B's stage 0, the busiest, unless it says otherwise
+        notes += ["GPipe"] if c["schedule"] == "gpipe" else []
+        notes += ["last stage"] if c["stage"] == r["world_size"] - 1 else []
     return f"{r['tracked_over_predicted']:.3f} ({', '.join(notes)})"
 
 
@@ -47,9 +50,10 @@ def main() -> None:
     runs = []
     print(
         "| run | technique | world | global batch | micro-steps run | checkpointing | tracked peak GiB | predicted GiB "
-        "| tracked / predicted | FLOPs counted / convention | with recompute / counted | bf16 share of matmul FLOPs |"
+        "| tracked / predicted | FLOPs counted / convention | counted / convention at the logits computed "
+        "| with recompute / counted | bf16 share of matmul FLOPs |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for path in sorted(RUNS.glob("*.json")):
         r = json.loads(path.read_text())
         runs.append(r)
@@ -69,6 +73,7 @@ def main() -> None:
             f"{r['predicted_bytes'] / GIB:.2f}",
             f"{r['tracked_over_predicted']:.3f}",
             f"{r['flops_counted_over_convention']:.3f}",
+            f"{r['flops_counted_over_convention_at_logits']:.3f}",
             f"{ratio:.3f}",
             f"{r['bf16_matmul_fraction']:.4f}",
         ]

@@ -51,11 +51,16 @@ def matmul_params(config) -> int:
     return config.num_hidden_layers * (attn + mlp) + config.vocab_size * h
 
 
-def step_flops(seq_lens: list[int], config, n_lora: int) -> float:
-    """Model FLOPs of one optimizer step over sequences of the given real lengths (see the module doc)."""
-    per_token = 4 * matmul_params(config) + 6 * n_lora
+def step_flops(seq_lens: list[int], config, n_lora: int, logit_positions: int | None = None) -> float:
+    """Model FLOPs of one optimizer step over sequences of the given real lengths (see the module doc): the MFU
+    convention, which counts the lm_head at every token. With `logit_positions`, the lm_head at that many positions
+    instead (the scripts compute logits at the answer positions only: `logits_to_keep`)."""
+    lm_head = config.vocab_size * config.hidden_size
+    per_token = 4 * (matmul_params(config) - lm_head) + 6 * n_lora
     d = config.num_attention_heads * config.head_dim
-    return float(sum(s * per_token + 6 * config.num_hidden_layers * d * s * s for s in seq_lens))
+    positions = sum(seq_lens) if logit_positions is None else logit_positions
+    layers = sum(s * per_token + 6 * config.num_hidden_layers * d * s * s for s in seq_lens)
+    return float(layers + 4 * lm_head * positions)
 
 
 def step_row(

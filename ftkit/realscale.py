@@ -16,9 +16,11 @@ defaults), on a synthetic batch of full-length sequences. Measured on that rank:
 - peak bytes by category, from PyTorch's memory trackers (`MemTracker`; `FSDPMemTracker` for FSDP), beside
   `ftkit.memory`'s prediction for the same configuration (as the scripts' summaries call it, at the batch's
   answer positions);
-- FLOPs per optimizer step from `torch.utils.flop_counter.FlopCounterMode`, without activation checkpointing's
-  recompute (`flops_counted`, what the MFU convention counts) and with it, beside the convention's formula
-  (`ftkit.metrics.step_flops`), by component;
+- FLOPs per optimizer step from `torch.utils.flop_counter.FlopCounterMode` (SDPA counted for the pairs its causal
+  mask keeps, as the GPU's causal kernels compute them), without activation checkpointing's recompute
+  (`flops_counted`, what the MFU convention counts) and with it, beside the convention's formula
+  (`ftkit.metrics.step_flops`), by component, and beside the same formula with the lm_head at the positions the
+  step computes logits at (`flops_convention_at_logits`);
 - the fraction of matmul FLOPs (matmuls and attention) whose operands are bf16;
 - bytes per collective kind in the counted step, recorded as the script records them (`ftkit.comm`), beside the
   script's own theory for the same micro-steps (ddp, fsdp, tp, tp-sp; pp: the stage's sends).
@@ -82,9 +84,6 @@ LABEL = (
 ANSWER_TOKENS = 256
 # The common flags this command passes on to the script's own parser (a flag not given takes the script's default).
 PASSED_ON = ("micro_batch_size", "max_length", "batch_size", "lora_rank", "lora_alpha", "lora_dropout")
-
-
-DDP_BUCKETS = "DDP gradient buckets (added: untracked)"
 
 
 class RealScaleError(RuntimeError):
@@ -248,6 +247,49 @@ def synthetic_micro_batch(micro_batch_size: int, length: int, answer: int, vocab
     return data.collate(items)
 
 
+def causal_pairs(s_q: int, s_k: int) -> int:
+    """Query-key pairs a causal mask keeps (SDPA's is_causal: query i sees keys 0..i): the lower triangle with its
+    diagonal, s(s+1)/2 of s x s when s_q == s_k."""
+    if s_q <= s_k:
+        return s_q * (s_q + 1) // 2
+    return s_k * (s_k + 1) // 2 + (s_q - s_k) * s_k
+
+
+def causal_sdpa_formulas() -> dict:
+    """FLOP formulas for PyTorch's SDPA ops (forward and backward, every backend) that count a causal call's kept
+    query-key pairs only. FlopCounterMode's own formulas count the whole s x s whatever is_causal says; the causal
+    kernels the scripts run on a GPU (flash, memory-efficient, cuDNN; flash-attn's) skip the tiles above the
+    diagonal, so they do about half of it (the diagonal's tiles, computed whole, add about tile / s: 3% of the
+    attention FLOPs for 64-row tiles at s = 2048). For FlopCounterMode (`custom_mapping`) and `MatmulDtypes`."""
+    from torch.utils.flop_counter import flop_registry
+
+    aten = torch.ops.aten
+    ops = [
+        aten._scaled_dot_product_efficient_attention,
+        aten._scaled_dot_product_flash_attention,
+        aten._scaled_dot_product_flash_attention_for_cpu,
+        aten._scaled_dot_product_cudnn_attention,
+    ]
+    ops += [getattr(aten, f"{op.__name__}_backward") for op in ops]
+
+    def causal(op):
+        whole = flop_registry[op]
+        names = [a.name for a in op.default._schema.arguments]
+
+        def formula(*args, out_val=None, **kwargs):
+            flops = whole(*args, out_val=out_val, **kwargs)
+            bound = {**dict(zip(names, args)), **kwargs}
+            if not bound.get("is_causal"):
+                return flops
+            s_q, s_k = bound["query"].shape[-2], bound["key"].shape[-2]
+            return flops * causal_pairs(s_q, s_k) // (s_q * s_k)
+
+        formula._get_raw = True  # FlopCounterMode passes the tensors themselves (and is_causal) to a raw formula
+        return formula
+
+    return {op: causal(op) for op in ops}
+
+
 class MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
     """FLOPs of every op FlopCounterMode has a formula for (matmuls, attention), by the dtype of its two operands
     (the first two floating tensors of two or more dims: a and b of mm, the bias of addmm skipped; query and key of
@@ -262,11 +304,11 @@ class MatmulDtypes(torch.utils._python_dispatch.TorchDispatchMode):
     shape, before DTensor runs it on the local shards: its FLOPs are counted on the local shards, this rank's
     work."""
 
-    def __init__(self, vocab: int):
+    def __init__(self, vocab: int, formulas: dict):
         super().__init__()
         from torch.utils.flop_counter import flop_registry
 
-        self.registry, self.vocab = flop_registry, vocab
+        self.registry, self.vocab = {**flop_registry, **formulas}, vocab
         self.by_dtype: dict[str, int] = defaultdict(int)
         self.by_component: dict[str, int] = defaultdict(int)
         self.recompute = 0
@@ -613,9 +655,8 @@ def measure(opts: argparse.Namespace) -> dict:
                     "gradient and sends it back"
                 )
             )
-        buckets = 0
         if technique == "ddp":
-            model, buckets = wrap_ddp(model, args, recorder, stand_ins)
+            model = wrap_ddp(model, args, recorder, stand_ins)
         ddp = hasattr(model, "no_sync")
         trainable = [p for p in model.parameters() if p.requires_grad]
         replicated = script.replicated_lora(model) if technique == "tp-sp" else []
@@ -685,8 +726,9 @@ def measure(opts: argparse.Namespace) -> dict:
                 optimizer_step_of_micro_steps(tracker)
         # ---- one more optimizer step, its FLOPs counted (not inside the memory tracker: under both, the tracker
         # reported tens of GiB of temporaries that it does not report alone) and its collectives recorded.
-        dtypes = MatmulDtypes(config.vocab_size)
-        counter = FlopCounterMode(display=False)
+        causal = causal_sdpa_formulas()
+        dtypes = MatmulDtypes(config.vocab_size, causal)
+        counter = FlopCounterMode(display=False, custom_mapping=causal)
         recorder.take()  # only the counted step's collectives
         recording = RECORDING[technique](recorder) if technique in RECORDING else contextlib.nullcontext()
         with dtypes, counter, recording:
@@ -698,9 +740,7 @@ def measure(opts: argparse.Namespace) -> dict:
 
     peak = next(iter(peak.values()), {}) if peak else {}
     categories = {k: int(v) for k, v in peak.items() if k != "Total"}
-    if buckets:
-        categories[DDP_BUCKETS] = buckets
-    tracked_total = int(peak.get("Total", 0)) + buckets
+    tracked_total = int(peak.get("Total", 0))
     setting = {"quant": args.quant} if technique in ("single", "ddp") else {}
     if technique != "single":
         setting["world_size"] = world
@@ -739,14 +779,22 @@ def measure(opts: argparse.Namespace) -> dict:
             f"{with_rc}: they should agree, and the difference is unexplained"
         )
     shape = memory.ModelShape.from_config(config)
-    tokens = sum(lengths)
     attn_convention = 6 * shape.layers * shape.q_dim * sum(s * s for s in lengths) * share
-    lm_head_convention = 4 * shape.embedding_params() * tokens * share
-    convention = metrics.step_flops(lengths, config, counts["trainable"]) * share
-    if pp:  # the lm_head runs on the last stage, over every sequence
-        convention -= lm_head_convention
-        lm_head_convention = lm_head_convention / share if stage.is_last else 0.0
-        convention += lm_head_convention
+    # Where the step computes logits (logits_to_keep): each sequence's answer positions, the batch's k per row.
+    logit_positions = mb["logit_positions"].shape[-1] * len(lengths)
+
+    def rank_share(positions: int) -> tuple[float, float]:
+        """The convention's FLOPs for this rank's sequences, the lm_head counted at `positions`, and the share of
+        them that is this rank's; (total, lm_head)."""
+        total = metrics.step_flops(lengths, config, counts["trainable"], positions) * share
+        lm_head = 4 * shape.embedding_params() * positions * share
+        if pp:  # the lm_head runs on the last stage, over every sequence
+            whole = lm_head / share if stage.is_last else 0.0
+            total, lm_head = total - lm_head + whole, whole
+        return total, lm_head
+
+    convention, lm_head_convention = rank_share(sum(lengths))
+    at_logits, _ = rank_share(logit_positions)
     return {
         "technique": technique,
         "script": f"experiments/{SCRIPTS[technique]}/train.py",
@@ -798,6 +846,8 @@ def measure(opts: argparse.Namespace) -> dict:
         **({"flops_logical_with_recompute": logical * scale} if technique == "tp" else {}),
         "flops_convention": convention,
         "flops_counted_over_convention": without_rc * scale / convention,
+        "flops_convention_at_logits": at_logits,
+        "flops_counted_over_convention_at_logits": without_rc * scale / at_logits,
         "flops_counted_by_component": {k: v * scale for k, v in sorted(dtypes.by_component.items())},
         "flops_convention_by_component": {
             "attention": attn_convention,
@@ -806,8 +856,11 @@ def measure(opts: argparse.Namespace) -> dict:
         },
         "flops_note": f"per optimizer step on rank {rank} (its micro-batch x accumulation sequences); the global "
         "step is "
-        f"{dp} times this. Convention: {metrics.MFU_CONVENTION}. FlopCounterMode counts SDPA at the full s x s "
-        "(no causal halving) and the lm_head where it runs (logits_to_keep: the answer positions only)"
+        f"{dp} times this. Convention: {metrics.MFU_CONVENTION}; convention at logits: the same with the lm_head "
+        f"at the {logit_positions} positions the step computes logits at (logits_to_keep: the answer positions). "
+        "Counted: FlopCounterMode's formulas, with SDPA counted over the query-key pairs the causal mask keeps "
+        "(causal_sdpa_formulas: FlopCounterMode's own count the whole s x s), its backward's recompute of the "
+        "scores included (the convention leaves it out: 7/6 of its attention), the lm_head where it runs"
         + (
             f". TP: every rank runs every sequence, and the convention here is rank 0's 1/{world} share of the "
             "step; the script shards the decoder layers only, so every rank computes the whole lm_head (and holds "
@@ -864,8 +917,8 @@ def collective_theory(
         "comm": {},
         "activation_bytes": micro_steps * mb["input_ids"].numel() * hidden * run.torch_dtype(args.dtype).itemsize,
     }
-    if technique == "tp":
-        return {"all_reduce": comm.tp_all_reduce_theory(config, args, [row])}
+    if technique == "tp":  # tp-ft's theory; DTensor on a mesh of one redistributes nothing
+        return {"all_reduce": comm.tp_all_reduce_theory(config, args, [row]) if world > 1 else 0.0}
     if technique == "tp-sp":
         return comm.tp_sp_collective_theory(config, args, [row], comm.nbytes(replicated))
     return {}
@@ -993,7 +1046,7 @@ class NoBucketRebuild:
 
 def wrap_ddp(model, args, recorder: comm.CommRecorder, stand_ins: list[str]):
     """experiments/ddp-ft/train.py's DDP wrapper, built on fake tensors, its buckets' all-reduces recorded as
-    `comm.register_ddp_hook` records them; (model, the bucket bytes the memory tracker does not see)."""
+    `comm.register_ddp_hook` records them."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     wrapped = DDP(
@@ -1019,18 +1072,20 @@ def wrap_ddp(model, args, recorder: comm.CommRecorder, stand_ins: list[str]):
     # which cannot read a fake tensor: the buckets stay in their first order (the same bytes).
     wrapped.reducer = NoBucketRebuild(wrapped.reducer)
     # DDP's reducer keeps one flat fp32 bucket copy of the trainable gradients for the whole run (none with
-    # --gradient-as-bucket-view, where the gradients are views into the buckets); its C++ constructor allocates
-    # them before the tracker starts, so they are added.
+    # --gradient-as-bucket-view, where the gradients are views into the buckets). Its C++ constructor allocates them
+    # before the tracker starts; the tracker registers them when a backward first writes them (they are an op's
+    # output it has not seen), and counts them from then on.
     buckets = 0 if args.gradient_as_bucket_view else comm.nbytes([p for p in model.parameters() if p.requires_grad])
     stand_ins.append(
         "DDP is built without its start-up check and broadcast of the parameters across ranks (init_sync=False: "
         "fake tensors have no data); its comm hook records each bucket's bytes as ftkit/comm.py's does and returns "
         "the bucket as it is (the fake group's all-reduce future carries no tensor); the buckets are not rebuilt in "
         f"the gradients' arrival order after the first backward (a C++ copy of their data); its buckets ({buckets:,} "
-        "bytes: one fp32 copy of the trainable gradients, allocated at construction, before the memory tracker "
-        f"starts) are added to the tracked peak as the category '{DDP_BUCKETS}'"
+        "bytes: one fp32 copy of the trainable gradients) are allocated at construction, before the memory tracker "
+        "starts, and tracked from the first optimizer step's synchronising backward, which writes them, as 'Temp': "
+        "the second step, which holds all the first one did and them, is the peak"
     )
-    return wrapped, buckets
+    return wrapped
 
 
 class RunPeakOnly:
@@ -1054,7 +1109,7 @@ def make_tracker(technique: str, model, optimizer, inputs: tuple):
         return tracker
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    tracker = MemTracker()
+    tracker = type("RunPeakTracker", (RunPeakOnly, MemTracker), {})()
     tracker.track_external(model, optimizer, *inputs)
     # MemTracker registers a gradient hook on every parameter a module's forward uses, and torch refuses a hook on
     # one that does not require grad: the frozen base gets a placeholder in the tracker's hook table instead.
@@ -1101,7 +1156,8 @@ def table(result: dict) -> str:
         "",
         f"FLOPs per optimizer step: counted {result['flops_counted']:.4g} (with recompute "
         f"{result['flops_counted_with_recompute']:.4g}), convention {result['flops_convention']:.4g}, "
-        f"ratio {result['flops_counted_over_convention']:.3f}",
+        f"ratio {result['flops_counted_over_convention']:.3f}; at the logits computed "
+        f"{result['flops_convention_at_logits']:.4g}, ratio {result['flops_counted_over_convention_at_logits']:.3f}",
     ]
     for k, v in result["flops_convention_by_component"].items():
         lines.append(f"  {k:<26} counted {result['flops_counted_by_component'].get(k, 0):.4g}  convention {v:.4g}")

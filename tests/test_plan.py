@@ -49,24 +49,33 @@ def test_the_planners_memory_is_the_one_checked_at_real_scale_and_its_margin_cov
         r["technique"], {"tp": world}
     )
     planned = plan.evaluate(s, r["technique"], mesh, c["quant"])
-    # The same memory model at the same configuration as the fake-tensor run's prediction ...
-    assert planned["memory_bytes"] == pytest.approx(r["predicted_bytes"], rel=1e-9)
-    # ... and the planner's margin above it covers what was tracked (the model is within 2% of it; see
-    # devlogs/runs/realscale/README.md). A tracked run beyond the margin means the margin (or the model) must change.
+    # What the posts say of the model at this shape: within 3% of every tracked peak (the LoRA gradients it counts
+    # are not allocated yet with one micro-step per optimizer step: 2.6% of QLoRA + DDP), and 4.1% below it on
+    # 1F1B's last pipeline stage (not the busiest), which holds one [micro, seq, hidden] tensor per micro-batch of
+    # the step more, not yet identified (devlogs/runs/realscale/README.md).
+    last_1f1b = r["technique"] == "pp" and c["schedule"] == "1f1b" and c["stage"] == world - 1
+    assert 0.97 <= r["tracked_peak_bytes"] / r["predicted_bytes"] <= (1.05 if last_1f1b else 1.02)
+    if r["technique"] == "pp" and c["schedule"] != "1f1b":
+        return  # the planner plans pp-ft's 1F1B; the GPipe runs check the model alone
+    # The same memory model at the same configuration as the fake-tensor run's prediction (for a pipeline, its
+    # busiest stage's) ...
+    busiest = max(r["predicted_bytes_by_stage"].values()) if r["technique"] == "pp" else r["predicted_bytes"]
+    assert planned["memory_bytes"] == pytest.approx(busiest, rel=1e-9)
+    # ... and the planner's margin above it covers what was tracked. A tracked run beyond the margin means the
+    # margin (or the model) must change.
     assert r["tracked_peak_bytes"] <= planned["memory_bytes"] * plan.MEMORY_MARGIN
-    # What the posts say of the model at this shape: within 2% of every tracked peak.
-    assert 0.98 <= r["tracked_peak_bytes"] / r["predicted_bytes"] <= 1.02
 
 
 def test_the_recompute_the_planner_adds_is_the_one_counted_at_real_scale():
-    """Checkpointing's recompute, as a share of the step's FLOPs: the planner's formula against FlopCounterMode's
-    count on the fake-tensor FSDP run (the convention and the count differ in attention and the lm_head, which is
-    why this is 2% and not exact)."""
+    """Checkpointing's recompute, in FLOPs per step: the planner's formula (each layer's forward again, its
+    attention causal) against the count on the fake-tensor FSDP run (rank 0's sequences), to 0.1%."""
     r = json.loads(next(p for p in REALSCALE if p.stem == "fsdp-world8").read_text())
-    measured = r["flops_counted_with_recompute"] / r["flops_counted"]
+    counted = r["flops_counted_with_recompute"] - r["flops_counted"]
     on = plan.evaluate(setting(gpus=8), "fsdp", {"dp": 8}, "none")
     off = plan.evaluate(setting(gpus=8, grad_checkpointing=False), "fsdp", {"dp": 8}, "none")
-    assert on["compute_s"] / off["compute_s"] == pytest.approx(measured, rel=0.02)
+    # The planner's compute is the convention's FLOPs (what r["flops_convention"] is for rank 0) plus the recompute.
+    planned = (on["compute_s"] / off["compute_s"] - 1) * r["flops_convention"]
+    assert counted == pytest.approx(planned, rel=1e-3)
 
 
 def test_a_collective_costs_its_ring_bytes_at_the_link_rate_plus_a_latency_per_ring_step():
