@@ -357,7 +357,10 @@ def predict(
       min(m, p) on the first and 1 on the last. num_microbatches (m) defaults to pp. pp_stage: "first" or
       "last" predicts that stage (the first holds the embedding and the most micro-batches in flight, the last
       the lm_head and the loss), None the busier of the two. The last stage's output (the normed sequence) is
-      kept for every micro-batch of the step: the schedule merges them into the step's output.
+      kept for every micro-batch of the step: the schedule merges them into the step's output. Under 1F1B a
+      stage that receives activations and computes the loss (the last) keeps every micro-batch's received
+      activation to the step's end: torch's schedule keeps each loss with its autograd graph, whose
+      AccumulateGrad holds that leaf.
     - Every layer is counted alike, though layer 0 saves a little less: its input, the frozen embedding's
       output, needs no gradient, so autograd skips its first norm's input (and q/k/v dropout masks).
     """
@@ -456,6 +459,11 @@ def predict(
             picked += normed if sequence_parallel else 0.0  # the sequence all-gather's copy
             saved = final_norm + picked + FP32 * n_logits
             acts += (in_flight - 1) * saved + (m * normed if technique == "pp" else 0.0)
+            if technique == "pp" and not first and pp_schedule == "1f1b":
+                # torch's schedule keeps each micro-batch's loss, with its graph, until the step ends, and the
+                # graph's AccumulateGrad holds the activation the stage received: the m - 1 micro-batches done keep
+                # theirs (GPipe's in-flight count has them already).
+                acts += (m - 1) * tokens * act * shape.hidden
             # The last micro-batch's loss backward: the log-softmax's gradient and its input's, fp32, beside it.
             loss_peak = saved + 2 * FP32 * n_logits
         # The layer's backward holds gradients beside what it saved; at its peak, inside down_proj's LoRA backward:

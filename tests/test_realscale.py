@@ -343,11 +343,12 @@ def test_pp_last_stage_runs_the_scripts_1f1b_schedule_and_loss():
     """pp-ft's last stage at world 2, rank 1: one decoder layer, the final norm, the lm_head (the tied embedding)
     and pp-ft's loss on the answer positions, under 1F1B (one micro-batch in flight). The memory model is a floor
     within 3%: it counts both micro-batches' stage outputs (the normed sequence, kept by the schedule for its merged
-    output) and no bf16 logits (pp-ft's loss frees them); the peak is in the layer's backward, where one
-    [2, 2048, 2560] bf16 tensor per micro-batch more is held (1.020 measured; mostly the received activation of
-    the micro-batch done, which torch's schedule keeps alive through its kept loss: see
-    devlogs/runs/realscale/README.md). Counting the logits as kept, as the model once did, reads 0.966; not
-    counting the kept outputs, 1.04. The lm_head runs on the answer positions only: 256/2048 of the convention's."""
+    output), the first micro-batch's received activation (torch's schedule keeps each loss with its graph to the
+    step's end, and the graph holds it) and no bf16 logits (pp-ft's loss frees them); the peak is in the layer's
+    backward, where one [2, 2048, 2560] bf16 tensor more is held, not yet identified (1.010 measured; 1.020 before
+    the received activation was counted: see devlogs/runs/realscale/README.md). Counting the logits as kept, as
+    the model once did, reads 0.966; not counting the kept outputs, 1.04. The lm_head runs on the answer positions
+    only: 256/2048 of the convention's."""
     result = pp_run("last")
     cfg = result["config"]
     assert result["rank"] == 1 and cfg["stage"] == 1 and cfg["schedule"] == "1f1b"
