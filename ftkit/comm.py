@@ -262,13 +262,16 @@ def fsdp_theory(
     return {"all_gather": micro_steps * gathered, "reduce_scatter": grad_bytes}
 
 
-def tp_all_reduce_theory(config, args, rows: list[dict], key: str = "comm") -> float:
+def tp_all_reduce_theory(config, args, rows: list[dict], tp: int, key: str = "comm") -> float:
     """Bytes per sampled step that tp-ft's LoRA-aware DTensor plan all-reduces (experiments/tp-ft; fsdp-tp-ft on
     its `tp` dimension), from each sampled step's activation bytes (rows with a `key` entry). Per micro-batch and
     layer: forward, o_proj's and down_proj's partial outputs and those of their lora_A (rank r: r/hidden of an
     activation); backward, the input gradients of the five column modules and their lora_B, less layer 0's q/k/v
     (no gradient flows into the frozen embedding); checkpointing repeats the forward ones and makes the
-    embedding's output require grad (transformers' enable_input_require_grads), so layer 0's q/k/v send too."""
+    embedding's output require grad (transformers' enable_input_require_grads), so layer 0's q/k/v send too.
+    A TP group of one (`tp`) sends nothing: DTensor on a mesh of one redistributes nothing."""
+    if tp == 1:
+        return 0.0
     layers, forward = config.num_hidden_layers, 2 * (2 if args.grad_checkpointing else 1)
     backward = 5 * layers - (0 if args.grad_checkpointing else 3)
     per_activation = forward * layers + backward + (forward * layers + 5 * layers) * args.lora_rank / config.hidden_size

@@ -917,8 +917,8 @@ def collective_theory(
         "comm": {},
         "activation_bytes": micro_steps * mb["input_ids"].numel() * hidden * run.torch_dtype(args.dtype).itemsize,
     }
-    if technique == "tp":  # tp-ft's theory; DTensor on a mesh of one redistributes nothing
-        return {"all_reduce": comm.tp_all_reduce_theory(config, args, [row]) if world > 1 else 0.0}
+    if technique == "tp":
+        return {"all_reduce": comm.tp_all_reduce_theory(config, args, [row], world)}
     if technique == "tp-sp":
         return comm.tp_sp_collective_theory(config, args, [row], comm.nbytes(replicated))
     return {}

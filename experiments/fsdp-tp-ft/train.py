@@ -230,7 +230,7 @@ def main() -> None:
         # gradients reduce-scattered once, in fp32. On `tp`, tp-ft's all-reduces on this TP group's micro-batches.
         theory_all_gather_bytes=accum * (all_bytes + layer_bytes) if dp > 1 else 0,  # a group of one sends nothing
         theory_reduce_scatter_bytes=lora_slice * 4 if dp > 1 else 0,
-        theory_comm_tp_bytes_per_step=comm.tp_all_reduce_theory(config, args, log.rows, "comm_tp") if tp > 1 else 0,
+        theory_comm_tp_bytes_per_step=comm.tp_all_reduce_theory(config, args, log.rows, tp, "comm_tp"),
         **comm.summarize(log.rows),
         **comm.summarize(log.rows, key="comm_tp"),
         comm_note="`comm` (dp): FSDP2's all-gathers and reduce-scatters per optimizer step on rank 0's FSDP group, "

@@ -235,8 +235,8 @@ def main() -> None:
         note=metrics.memory_note(device),
         # Theory: RowwiseParallel all-reduces the partial outputs of o_proj and down_proj (and of their lora_A) in
         # forward; every ColwiseParallel module all-reduces the gradient of its own replicated input in backward:
-        # q, k, v, gate, up (and their lora_B), one each (`comm.tp_all_reduce_theory`). A group of one sends nothing.
-        theory_comm_bytes_per_step=comm.tp_all_reduce_theory(config, args, log.rows) if tp > 1 else 0,
+        # q, k, v, gate, up (and their lora_B), one each (`comm.tp_all_reduce_theory`).
+        theory_comm_bytes_per_step=comm.tp_all_reduce_theory(config, args, log.rows, tp),
         **comm.summarize(log.rows),
         comm_note="per optimizer step, every functional collective DTensor issued in forward and backward "
         "(ftkit/comm.py recording_functional): bytes of the all-reduced tensors; time_s is issue time only "
