@@ -166,6 +166,20 @@ def versions() -> dict:
     return out
 
 
+def on_one_device(*scalars: torch.Tensor) -> torch.Tensor:
+    """A step's scalars as one fp64 vector on the first one's device, wherever each of them was computed: with
+    `fsdp-ft --cpu-offload` the gradient norm comes back on the CPU (the gradients live there) beside the loss on
+    the GPU, and torch.stack/cat refuse tensors on two devices. fp64 holds every fp32 value exactly."""
+    device = scalars[0].device
+    return torch.stack([s.detach().reshape(()).to(device, torch.float64) for s in scalars])
+
+
+def host_values(*scalars: torch.Tensor) -> list[float]:
+    """The step's device scalars as Python floats in one copy to the host: one wait for the GPU per optimizer
+    step, after the step's work is queued, instead of one per scalar."""
+    return on_one_device(*scalars).tolist()
+
+
 class HostSyncCounter:
     """Counts the calls, made from this project's own code (experiments/ and ftkit/), that copy a tensor's value to
     the host: .item(), .tolist(), bool(), float(), int(). On CUDA each one makes the host wait for the GPU to

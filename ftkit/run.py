@@ -883,13 +883,16 @@ def read_checkpoint_state(ckpt: Path, required: tuple[str, ...]) -> dict:
     return state
 
 
-def load_torch(path: Path, **kwargs):
+def load_torch(path: Path):
     """A checkpoint file (optimizer, scheduler, RNG state) as data: `weights_only=True` unpickles tensors, numbers,
     strings and containers only, so a checkpoint from elsewhere cannot run code when it is loaded."""
     import pickle
 
     try:
-        return torch.load(path, weights_only=True, **kwargs)
+        # map_location: a tensor saved from cuda:<n> would otherwise come back to cuda:<n>, which a resume on another
+        # layout may not have (and which is not this rank's GPU). Loaded to the CPU, each goes where its owner puts
+        # it: parameters copy_() into theirs, the optimizer's state follows its parameter, RNG states stay on CPU.
+        return torch.load(path, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as e:
         # torch names the global (a class or function) it refused to import; damaged bytes name none.
         refused = [line.strip() for line in str(e).splitlines() if "GLOBAL" in line]
@@ -906,17 +909,27 @@ def load_torch(path: Path, **kwargs):
 
 
 def rng_state() -> dict:
+    """This process's RNG streams: Python's, the CPU generator and, on a GPU, the generator of this rank's own
+    device only (the current device, which `device_for` set). Not every visible GPU's by ordinal: a resume on
+    another per-node layout (other GPUs per node, another CUDA_VISIBLE_DEVICES) would then restore another GPU's
+    stream into this one, or index past the GPUs it sees."""
     state = {"python": random.getstate(), "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_device"] = torch.cuda.get_rng_state()
     return state
 
 
 def set_rng_state(state: dict) -> None:
+    """Restore `rng_state()`'s streams; the GPU stream into this rank's current device, whatever its ordinal."""
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    if "cuda_device" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda_device"])
+    elif "cuda" in state:  # written before 2026-11-25: every visible GPU's stream, by ordinal
+        print0(
+            "the checkpoint's GPU RNG streams were saved by device ordinal, not per rank: not restored (the "
+            "dropout masks continue from a new stream; the model, optimizer and data order are unaffected)"
+        )
 
 
 def save_adapter(path: Path, weights: dict[str, torch.Tensor], peft_config) -> None:

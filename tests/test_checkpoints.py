@@ -145,3 +145,71 @@ def test_a_run_directory_some_node_cannot_see_is_refused(one_rank_group, tmp_pat
     with pytest.raises(run.RunError, match="storage that every node shares") as refused:
         run.check_shared_run_dir(tmp_path / "node-local")
     assert socket.gethostname() in str(refused.value)
+
+
+# ---- A resume on another GPU layout (issue: resume depended on GPU numbering). CPU tests cannot own a GPU, so
+# torch.cuda's RNG calls are faked by generators that behave as torch's do: one state per visible device, the
+# *_all variants index them by ordinal, an ordinal the process cannot see raises.
+class FakeCudaRng:
+    def __init__(self, visible: int, current: int):
+        self.states = [torch.tensor([100 + i], dtype=torch.uint8) for i in range(visible)]
+        self.current = current
+
+    def _index(self, device) -> int:
+        index = self.current if device in ("cuda", None) else torch.device(device).index
+        if index >= len(self.states):
+            raise IndexError(f"cuda:{index} is not visible to this process ({len(self.states)} GPUs)")
+        return index
+
+    def get_rng_state(self, device="cuda"):
+        return self.states[self._index(device)].clone()
+
+    def set_rng_state(self, new_state, device="cuda"):
+        self.states[self._index(device)] = new_state.clone()
+
+    def get_rng_state_all(self):
+        return [s.clone() for s in self.states]
+
+    def set_rng_state_all(self, new_states):
+        for i, s in enumerate(new_states):
+            self.set_rng_state(s, i)
+
+    def install(self, monkeypatch) -> None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        for name in ("get_rng_state", "set_rng_state", "get_rng_state_all", "set_rng_state_all"):
+            monkeypatch.setattr(torch.cuda, name, getattr(self, name))
+
+
+@pytest.mark.parametrize("visible, current", [(2, 1), (1, 0)], ids=["ranks-swapped", "one-gpu-per-process"])
+def test_a_resume_continues_this_ranks_own_gpu_stream_on_another_layout(monkeypatch, tmp_path, visible, current):
+    # Saved by the rank on cuda:5 of 8 visible GPUs; resumed by the same rank where it sees `visible` GPUs and runs
+    # on cuda:<current> (another node, another CUDA_VISIBLE_DEVICES).
+    saving = FakeCudaRng(visible=8, current=5)
+    saving.install(monkeypatch)
+    torch.save(run.rng_state(), tmp_path / "rng.pt")
+    own_stream = saving.states[5].clone()
+
+    resuming = FakeCudaRng(visible=visible, current=current)
+    resuming.install(monkeypatch)
+    run.set_rng_state(run.load_torch(tmp_path / "rng.pt"))
+    assert torch.equal(resuming.states[current], own_stream)  # this rank's dropout stream goes on where it stopped
+
+
+class CudaTagged:
+    """Tags every storage saved while active with the location `cuda:7`, as torch.save writes a GPU tensor's."""
+
+    def __enter__(self):
+        self.entry = (0, lambda storage: "cuda:7", lambda storage, location: None)
+        torch.serialization._package_registry.insert(0, self.entry)
+        torch.serialization._package_registry.sort(key=lambda e: e[0])
+
+    def __exit__(self, *exc):
+        torch.serialization._package_registry.remove(self.entry)
+
+
+def test_a_checkpoint_saved_on_another_gpu_loads_where_that_gpu_does_not_exist(tmp_path):
+    with CudaTagged():
+        torch.save({"exp_avg": torch.ones(3)}, tmp_path / "rank0.pt")
+    assert b"cuda:7" in (tmp_path / "rank0.pt").read_bytes()  # the file names a GPU this machine does not have
+    state = run.load_torch(tmp_path / "rank0.pt")
+    assert state["exp_avg"].device == torch.device("cpu") and torch.equal(state["exp_avg"], torch.ones(3))

@@ -154,3 +154,27 @@ def test_no_gpu_message_says_why_and_gives_the_smoke_command(monkeypatch):
     assert "DRIVER-TOO-OLD" in message
     assert "uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --max-steps 5 --smoke" in message
     assert "--data" not in message  # the data ships with the package: the hint needs no path to it
+
+
+def test_the_step_scalars_come_to_the_host_from_any_device():
+    """fsdp-ft --cpu-offload: FSDP2 keeps the reduced gradients on the CPU, so clip_grad_norm_ returns the norm on
+    the CPU beside the loss on the GPU. The scripts' one host copy per step takes scalars from both; fake tensors
+    stand in for the GPU (they carry a device and check it as the real ops do)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ftkit import metrics
+
+    with FakeTensorMode():
+        loss = torch.zeros((), device="cuda")
+        totals = torch.zeros(2, device="cuda")
+        norm = torch.ones((), device="cpu")
+        with pytest.raises(RuntimeError, match="same device"):
+            torch.cat([totals, norm.reshape(1).to(totals.dtype)])  # what fsdp-ft did: a crash in its first step
+        assert metrics.on_one_device(loss, norm).device.type == "cuda"
+        assert metrics.on_one_device(*totals, norm).shape == (3,)
+    # On real tensors: the values, exactly (fp32 -> fp64 loses nothing), in one list.
+    assert metrics.host_values(torch.tensor(0.1), torch.tensor([2.5]), torch.tensor(3)) == [
+        torch.tensor(0.1).item(),
+        2.5,
+        3.0,
+    ]

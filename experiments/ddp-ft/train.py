@@ -162,7 +162,7 @@ def main() -> None:
         except Exception as e:
             raise run.CheckpointError(f"{resume_from}/adapter: corrupt adapter ({e})") from e
         set_peft_model_state_dict(model.module, weights)
-        opt = run.load_torch(resume_from / "optimizer.pt", map_location=device)
+        opt = run.load_torch(resume_from / "optimizer.pt")
         optimizer.load_state_dict(opt["optimizer"])
         scheduler.load_state_dict(opt["scheduler"])
         run.restore_rng(resume_from, state, rank, world)
@@ -226,7 +226,7 @@ def main() -> None:
             # The global loss is the sum of the ranks' shares: one small all-reduce on the device, then the
             # step's one host sync for every device scalar the metrics need.
             dist.all_reduce(loss_sum)
-            global_loss, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
+            global_loss, grad_norm = metrics.host_values(loss_sum, grad_norm)
             step_comm = recorder.take()
             row = log.row(
                 step=step + 1,

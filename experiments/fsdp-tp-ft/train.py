@@ -186,7 +186,7 @@ def main() -> None:
                 grad_norm = clip_grads(trainable, args.max_grad_norm, tp)  # outside the accounting
                 lr = run.optimizer_step(optimizer, scheduler)
             dist.all_reduce(loss_sum, group=dp_group)  # the DP groups' shares of the global loss
-            loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
+            loss_value, grad_norm = metrics.host_values(loss_sum, grad_norm)
             row = log.row(
                 step=step + 1,
                 loss=loss_value,

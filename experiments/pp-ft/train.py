@@ -321,7 +321,7 @@ def main() -> None:
             # every device scalar the metrics need.
             loss = torch.stack(losses).detach().sum() if has_last else torch.zeros((), device=device)
             dist.broadcast(loss, src=last_rank)
-            loss, grad_norm = torch.stack([loss, grad_norm]).tolist()
+            loss, grad_norm = metrics.host_values(loss, grad_norm)
             # Busy = inside a stage's forward, loss or backward; idle = the rest of the schedule's run (waiting,
             # transfers). Python numbers from every rank: an object collective, over gloo on CUDA too.
             step_events, busy, pipe_time = timer_actions.read()

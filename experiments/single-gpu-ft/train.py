@@ -115,7 +115,7 @@ def main() -> None:
                 scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
             # The step's one host sync: the device scalars the metrics need, copied together.
-            loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
+            loss_value, grad_norm = metrics.host_values(loss_sum, grad_norm)
             row = log.row(
                 step=step + 1,
                 loss=loss_value,

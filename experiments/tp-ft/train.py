@@ -198,7 +198,7 @@ def main() -> None:
                 grad_norm = clip_grads(trainable, args.max_grad_norm)
                 lr = run.optimizer_step(optimizer, scheduler)  # AdamW on this rank's shards; the rate it ran at
             # The step's one host sync: every device scalar the metrics need, copied together.
-            loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
+            loss_value, grad_norm = metrics.host_values(loss_sum, grad_norm)
             step_comm = recorder.take()
             row = log.row(
                 step=step + 1,

@@ -344,7 +344,7 @@ def main() -> None:
                 grad_norm = run.clip_grads_over_ranks(trainable, args.max_grad_norm, group, replicated)
                 lr = run.optimizer_step(optimizer, scheduler)  # AdamW on this rank's slices; the rate it ran at
             # The step's one host sync: every device scalar the metrics need, copied together.
-            loss_value, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.dtype)]).tolist()
+            loss_value, grad_norm = metrics.host_values(loss_sum, grad_norm)
             row = log.row(
                 step=step + 1,
                 loss=loss_value,  # every rank computed the whole batch's loss
