@@ -42,6 +42,7 @@ import functools
 import inspect
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 
 import torch
@@ -319,23 +320,46 @@ FUNCTIONAL_COLLECTIVES = {
 def recording_functional(recorder: CommRecorder) -> Iterator[CommRecorder]:
     """Record the functional collectives (`torch.ops._c10d_functional.*`) dispatched inside the block, forward and
     backward, with the same conventions as `recording` for bytes and count. These ops are asynchronous: they
-    return at issue and a later `wait_tensor` completes them, so the time recorded is the issue call only, not the
-    transfer; read `time_s` as a lower bound."""
+    return at issue (on CUDA, before NCCL has moved a byte), wrapped in an AsyncCollectiveTensor that waits for the
+    result in the first op that uses it (or an explicit `wait_tensor`). Each is timed from its issue to the end of
+    that op (on CUDA, to the moment the compute stream, made to wait there, passes it): in flight, overlapping the
+    compute queued meanwhile, as `recording` times torch.distributed's works. A result whose first use is a view,
+    or that is not used inside the block, is counted but not timed."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
     from torch.utils._python_dispatch import TorchDispatchMode
 
     ops = {getattr(torch.ops._c10d_functional, name).default: spec for name, spec in FUNCTIONAL_COLLECTIVES.items()}
+    # id(result) -> (a weak reference to it, kind, issue token): weak, so a result that is never waited for here is
+    # not kept alive (and does not change the memory the step measures).
+    in_flight: dict[int, tuple[weakref.ref, str, object]] = {}
+    wrap = torch.ops._c10d_functional._wrap_tensor_autograd.default  # wraps a result at issue: not a use
+
+    def used(args) -> list[int]:
+        """The in-flight results among an op's arguments (top-level tensors or lists of them): the op waits."""
+        found = []
+        for arg in args:
+            for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+                t = t.elem if isinstance(t, AsyncCollectiveTensor) else t
+                if id(t) in in_flight and in_flight[id(t)][0]() is t:
+                    found.append(id(t))
+        return found
 
     class Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             spec = ops.get(func)
             if spec is None:
-                return func(*args, **(kwargs or {}))
+                waits = used(args) if in_flight and func is not wrap else []
+                out = func(*args, **(kwargs or {}))
+                for key in waits:
+                    _, kind, token = in_flight.pop(key)
+                    recorder.completed(kind, token)
+                return out
             kind, index, gathered = spec
             buffer = args[index]
             size = nbytes(buffer) * (args[1] if gathered else 1)  # all_gather_into_tensor(input, group_size, ...)
             token = recorder.issued(kind, size)
             out = func(*args, **(kwargs or {}))
-            recorder.completed(kind, token)
+            in_flight[id(out)] = (weakref.ref(out), kind, token)
             return out
 
     with Mode():

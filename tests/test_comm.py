@@ -41,6 +41,28 @@ def test_recording_counts_the_collectives_of_the_block_and_restores_them(group):
     assert recorder.take() == {}  # take() starts the next step from zero
 
 
+def test_functional_collectives_are_timed_until_their_result_is_waited_for(group):
+    """DTensor's collectives return at issue (on CUDA before NCCL moves a byte) and complete at the wait_tensor on
+    their result: the time recorded spans the two, not the issue call alone, which is ~0 on a GPU."""
+    import time
+
+    import torch.distributed._functional_collectives as funcol
+
+    recorder = comm.CommRecorder(CPU)
+    with comm.recording_functional(recorder):
+        out = funcol.all_reduce(torch.ones(10), "sum", dist.group.WORLD)
+        time.sleep(0.2)  # compute queued between the issue and the wait
+        funcol.wait_tensor(out)
+        out = funcol.all_reduce(torch.ones(3), "sum", dist.group.WORLD)
+        time.sleep(0.2)
+        out + 1  # the first op on the result waits for it, as DTensor's next op does
+        late = funcol.all_reduce(torch.ones(2), "sum", dist.group.WORLD)  # not used in the block: counted only
+    funcol.wait_tensor(late)
+    stats = recorder.take()
+    assert (stats["all_reduce"]["bytes"], stats["all_reduce"]["count"]) == (60, 3)
+    assert 0.4 <= stats["all_reduce"]["time_s"] < 1.5
+
+
 def test_ddp_hook_sees_every_bucket_once_per_sync(group):
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 8))

@@ -235,7 +235,8 @@ def main() -> None:
         **comm.summarize(log.rows, key="comm_tp"),
         comm_note="`comm` (dp): FSDP2's all-gathers and reduce-scatters per optimizer step on rank 0's FSDP group, "
         "as recorded around torch.distributed; `comm_tp` (tp): DTensor's functional collectives on rank 0's TP "
-        "group, on sampled steps (the first run and every eval step); bytes of the whole buffers",
+        "group, on sampled steps (the first run and every eval step); bytes of the whole buffers; time_s from issue "
+        "to completion (the FSDP works' futures; the wait on each functional collective's result)",
     )
     run.finish(args, run_dir, summary, finished)
 

@@ -239,8 +239,9 @@ def main() -> None:
         theory_comm_bytes_per_step=comm.tp_all_reduce_theory(config, args, log.rows, tp),
         **comm.summarize(log.rows),
         comm_note="per optimizer step, every functional collective DTensor issued in forward and backward "
-        "(ftkit/comm.py recording_functional): bytes of the all-reduced tensors; time_s is issue time only "
-        "(the ops are asynchronous); the gradient-norm clipping, the metrics and the reassembly are not counted. "
+        "(ftkit/comm.py recording_functional): bytes of the all-reduced tensors; time_s from each one's issue to "
+        "the wait on its result (in flight, overlapping compute queued meanwhile); the gradient-norm clipping, the "
+        "metrics and the reassembly are not counted. "
         "Recorded on sampled steps only (the first step run and every eval step; all with --comm-every-step): "
         "the rows with a `comm` entry, and the means here are over those rows",
     )
