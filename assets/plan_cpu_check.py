@@ -131,7 +131,7 @@ def predict(summary: dict, technique: str, mesh: dict[str, int], cal: dict, mfu:
     threads = max(1, cores // procs)  # as run.share_cpu_cores sets them
     rate = cal["matmul_flops_per_s"].get(str(threads)) or cal["matmul_flops_per_s"]["1"] * threads
     rate *= min(1.0, cores / procs)  # more processes than cores share them
-    cpu = hardware.GPU("cpu", "", rate, 24e9, cal["copy_bytes_per_s"], "calibrated (assets/plan_cpu_check.py)")
+    cpu = hardware.GPU("cpu", (), rate, 24e9, cal["copy_bytes_per_s"], "calibrated (assets/plan_cpu_check.py)")
     gloo = hardware.Link("gloo", cal["gloo_beta_bytes_per_s"], cal["gloo_alpha_s"], "calibrated")
     config = SimpleNamespace(**{**models.TINY_CONFIG, "vocab_size": models.TINY_VOCAB})
     s = plan.Setting(

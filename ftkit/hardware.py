@@ -4,37 +4,161 @@ planner states as an assumption.
 
 FLOP/s are dense bf16 tensor-core peaks (the datasheets' "with sparsity" figures halved). Link bandwidths are per
 direction per GPU, in bytes/s.
+
+A GPU is found by its whole `torch.cuda.get_device_name()`, never by a part of it: "NVIDIA L40" is not an L4,
+"NVIDIA RTX A1000" not an A100, and a MIG slice ("NVIDIA H100 80GB HBM3 MIG 1g.10gb") not a whole H100. A name the
+table does not list gets no peak, and so no MFU, with the reason (`no_peak_reason`), rather than another GPU's.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
 class GPU:
     key: str  # the --gpu name
-    match: str  # a substring of torch.cuda.get_device_name()
+    names: tuple[str, ...]  # its torch.cuda.get_device_name()s, whole (one per variant the driver reports)
     bf16_flops: float
     memory_bytes: float
-    hbm_bytes_per_s: float
+    hbm_bytes_per_s: float  # memory bandwidth (GDDR on the L4/L40/Ada/GeForce/RTX rows)
     source: str
 
 
 GB = 1e9
-# The most specific `match` first: "H100 PCIe" must not be read as an SXM H100, nor an "L40S" as an "L4".
 GPUS = [
-    GPU("h200", "H200", 989e12, 141 * GB, 4.8e12, "NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
-    GPU("h100-pcie", "H100 PCIe", 756e12, 80 * GB, 2.0e12, "NVIDIA H100 Tensor Core GPU datasheet (PCIe)"),
-    GPU("h100-nvl", "H100 NVL", 835e12, 94 * GB, 3.9e12, "NVIDIA H100 Tensor Core GPU datasheet (NVL)"),
-    GPU("h100-sxm", "H100", 989e12, 80 * GB, 3.35e12, "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"),
-    GPU("a100-80gb", "A100", 312e12, 80 * GB, 2.039e12, "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)"),
-    GPU("l40s", "L40S", 362e12, 48 * GB, 864e9, "NVIDIA L40S datasheet"),
-    GPU("l4", "L4", 121e12, 24 * GB, 300e9, "NVIDIA L4 Tensor Core GPU datasheet"),
-    # GeForce cards run bf16 with fp32 accumulation at half their fp16-accumulate rate.
-    GPU("rtx4090", "RTX 4090", 165.2e12, 24 * GB, 1008e9, "NVIDIA Ada GPU architecture whitepaper (GeForce RTX 4090)"),
-    GPU("rtx3090", "RTX 3090", 71e12, 24 * GB, 936e9, "NVIDIA Ampere GA102 whitepaper (GeForce RTX 3090)"),
+    GPU("h200", ("NVIDIA H200",), 989e12, 141 * GB, 4.8e12, "NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
+    GPU("h100-pcie", ("NVIDIA H100 PCIe",), 756e12, 80 * GB, 2.0e12, "NVIDIA H100 Tensor Core GPU datasheet (PCIe)"),
+    GPU("h100-nvl", ("NVIDIA H100 NVL",), 835e12, 94 * GB, 3.9e12, "NVIDIA H100 Tensor Core GPU datasheet (NVL)"),
+    GPU(
+        "h100-sxm", ("NVIDIA H100 80GB HBM3",), 989e12, 80 * GB, 3.35e12, "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"
+    ),
+    # Every A100 has the same tensor peak, 312 TFLOP/s bf16 dense (624 with sparsity): the PCIe cards' is the SXM's
+    # on the datasheet, though their lower power limit (300 W against 400 W) may hold a long step further below it.
+    GPU(
+        "a100-80gb",
+        ("NVIDIA A100-SXM4-80GB",),
+        312e12,
+        80 * GB,
+        2.039e12,
+        "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)",
+    ),
+    GPU(
+        "a100-40gb",
+        ("NVIDIA A100-SXM4-40GB",),
+        312e12,
+        40 * GB,
+        1.555e12,
+        "NVIDIA A100 Tensor Core GPU datasheet, 2020 edition (40GB SXM)",
+    ),
+    GPU(
+        "a100-80gb-pcie",
+        ("NVIDIA A100 80GB PCIe",),
+        312e12,
+        80 * GB,
+        1.935e12,
+        "NVIDIA A100 Tensor Core GPU datasheet (80GB PCIe: the same 312 TFLOP/s bf16 as the SXM)",
+    ),
+    GPU(
+        "a100-40gb-pcie",
+        ("NVIDIA A100-PCIE-40GB",),
+        312e12,
+        40 * GB,
+        1.555e12,
+        "NVIDIA A100 Tensor Core GPU datasheet, 2020 edition (40GB PCIe: the same 312 TFLOP/s bf16 as the SXM)",
+    ),
+    GPU("l40s", ("NVIDIA L40S",), 362e12, 48 * GB, 864e9, "NVIDIA L40S datasheet"),
+    GPU("l40", ("NVIDIA L40",), 181e12, 48 * GB, 864e9, "NVIDIA L40 datasheet (BF16 Tensor Core 181.05 | 362.1*)"),
+    GPU("l4", ("NVIDIA L4",), 121e12, 24 * GB, 300e9, "NVIDIA L4 Tensor Core GPU datasheet"),
+    GPU("a10", ("NVIDIA A10",), 125e12, 24 * GB, 600e9, "NVIDIA A10 Tensor Core GPU datasheet (BF16 125 | 250* TF)"),
+    # The workstation cards run bf16 with fp32 accumulation at their full tensor rate, as the data-center ones do...
+    GPU(
+        "rtx6000-ada",
+        ("NVIDIA RTX 6000 Ada Generation",),
+        364.2e12,
+        48 * GB,
+        960e9,
+        "NVIDIA Ada GPU architecture whitepaper (RTX 6000 Ada: bf16, fp32 accumulate, 364.2 | 728.5*); its datasheet's "
+        "1,457 TFLOP/s is fp8 with sparsity, 4x that",
+    ),
+    GPU(
+        "rtx-a6000",
+        ("NVIDIA RTX A6000",),
+        154.8e12,
+        48 * GB,
+        768e9,
+        "NVIDIA Ampere GA102 GPU architecture whitepaper (RTX A6000: bf16, fp32 accumulate, 154.8 | 309.7*)",
+    ),
+    # ...the GeForce cards at half their fp16-accumulate rate.
+    GPU(
+        "rtx4090",
+        ("NVIDIA GeForce RTX 4090",),
+        165.2e12,
+        24 * GB,
+        1008e9,
+        "NVIDIA Ada GPU architecture whitepaper (GeForce RTX 4090)",
+    ),
+    GPU(
+        "rtx3090",
+        ("NVIDIA GeForce RTX 3090",),
+        71e12,
+        24 * GB,
+        936e9,
+        "NVIDIA Ampere GA102 whitepaper (GeForce RTX 3090)",
+    ),
 ]
+
+# GPUs recognised but given no bf16 peak, each with the reason: MFU is not reported for a bf16 step on them.
+WITHOUT_PEAK = [
+    (
+        re.compile(r"Tesla T4"),
+        "a Turing GPU: its tensor cores do fp16, int8 and int4 but not bf16 (NVIDIA T4 datasheet), so a bf16 step "
+        "has no tensor peak to be measured against",
+    ),
+    (
+        re.compile(r"Tesla V100S?-(SXM2|SXM3|PCIE)-(16|32)GB"),
+        "a Volta GPU: its tensor cores do fp16 but not bf16 (NVIDIA V100 datasheet), so a bf16 step has no tensor "
+        "peak to be measured against",
+    ),
+    (
+        re.compile(r"NVIDIA A10G"),
+        "AWS's variant of the A10, for which NVIDIA publishes no datasheet; its tensor peak is not the A10's",
+    ),
+]
+
+
+def gpu(key: str) -> GPU:
+    for g in GPUS:
+        if g.key == key:
+            return g
+    raise ValueError(f"unknown GPU {key!r}; known: {', '.join(g.key for g in GPUS)}")
+
+
+def gpu_for_device_name(name: str) -> GPU | None:
+    """The table's row for a torch.cuda.get_device_name(), matched on the whole name; None for a GPU the table
+    does not list, a MIG slice among them (`no_peak_reason` says why)."""
+    name = name.strip()
+    return next((g for g in GPUS if name in g.names), None)
+
+
+def no_peak_reason(name: str) -> str | None:
+    """Why a torch.cuda.get_device_name() has no bf16 peak in the table, so no MFU; None where it has one."""
+    name = name.strip()
+    if re.search(r"\bMIG\b", name):
+        return (
+            f"{name!r} is a MIG slice: its peak is a fraction of the whole GPU's, which ftkit/hardware.py does not "
+            "list, so no MFU"
+        )
+    if gpu_for_device_name(name):
+        return None
+    for pattern, why in WITHOUT_PEAK:
+        if pattern.fullmatch(name):
+            return f"{name!r} is {why}; no MFU"
+    return (
+        f"{name!r} is not in ftkit/hardware.py's table of bf16 peaks (matched on the whole device name), so no MFU; "
+        "add its row, with its datasheet, to report one"
+    )
 
 
 @dataclass(frozen=True)
@@ -56,15 +180,3 @@ LINKS = {
         Link("ib-hdr", 25e9, 5e-6, "NVIDIA ConnectX-6: InfiniBand HDR 200 Gb/s, one adapter per GPU (DGX A100)"),
     ]
 }
-
-
-def gpu(key: str) -> GPU:
-    for g in GPUS:
-        if g.key == key:
-            return g
-    raise ValueError(f"unknown GPU {key!r}; known: {', '.join(g.key for g in GPUS)}")
-
-
-def gpu_for_device_name(name: str) -> GPU | None:
-    """The table's entry for a torch.cuda.get_device_name(), or None for a GPU not in it."""
-    return next((g for g in GPUS if g.match in name), None)

@@ -32,14 +32,24 @@ MFU_CONVENTION = (
 
 
 def peak_flops(device: torch.device) -> float | None:
-    """Dense bf16 tensor-core peak FLOP/s of this GPU, from the datasheets (`ftkit/hardware.py`); None off CUDA or
-    for a GPU not in the table."""
+    """Dense bf16 tensor-core peak FLOP/s of this GPU, from the datasheets (`ftkit/hardware.py`, which matches the
+    whole device name); None off CUDA or for a GPU not in the table (`mfu_note` says why)."""
     from ftkit.hardware import gpu_for_device_name
 
     if device.type != "cuda":
         return None
     entry = gpu_for_device_name(torch.cuda.get_device_name(device))
     return entry.bf16_flops if entry else None
+
+
+def mfu_note(device: torch.device) -> str | None:
+    """Why this run reports no MFU (its rows' `mfu` and the summary's `peak_flops` are null), naming the device;
+    None where it reports one."""
+    from ftkit.hardware import no_peak_reason
+
+    if device.type != "cuda":
+        return f"MFU is reported on CUDA GPUs only (this run: {device.type})"
+    return no_peak_reason(torch.cuda.get_device_name(device))
 
 
 def matmul_params(config) -> int:
@@ -305,6 +315,9 @@ class RunLog(MetricsLog):
         super().__init__(run_dir, rank, total_steps=args.max_steps, start_step=start_step, progress=args.progress)
         self.run_dir, self.run_config, self.model_config, self.n_lora = run_dir, run_config, model_config, n_lora
         self.devices, self.device, self.peak = devices, device, peak_flops(device)
+        self.mfu_note = mfu_note(device)
+        if rank == 0 and self.mfu_note and device.type == "cuda":
+            print(f"note: {self.mfu_note}", file=sys.stderr, flush=True)  # once per run; summary.json keeps it
 
     def row(self, **measured) -> dict:
         """`step_row` for this run: `measured` is what the step measured (step, loss, ..., the technique's)."""
@@ -325,6 +338,7 @@ class RunLog(MetricsLog):
             run_dir=self.run_dir,
             last_step=last_step,
             peak=self.peak,
+            mfu_note=self.mfu_note,
             predicted=predicted,
             note=note,
             **technique,
@@ -417,10 +431,11 @@ def predicted_memory(config, args, technique: str, **setting) -> dict:
 
 def run_summary(
     run_config: dict, log: MetricsLog, *, run_dir: Path, last_step: int, peak: float | None, predicted: dict,
-    note: str, **technique
+    note: str, mfu_note: str | None = None, **technique
 ) -> dict:  # fmt: skip
     """summary.json: what every run reports (status, the run's config.json, medians and peaks, the MFU
-    convention, the memory prediction), then what the technique adds (`technique`: comm theory, bubble, ...)."""
+    convention, the GPU's peak or why there is none, the memory prediction), then what the technique adds
+    (`technique`: comm theory, bubble, ...)."""
     args = run_config["args"]
     finished = last_step == args["max_steps"]
     return {
@@ -432,6 +447,7 @@ def run_summary(
         **technique,
         "mfu_convention": MFU_CONVENTION,
         "peak_flops": peak,
+        "mfu_note": mfu_note,
         "memory_predicted": predicted,
         "memory_note": note,
     }

@@ -34,8 +34,8 @@ def test_step_flops_by_hand():
 
 def test_peak_flops_table():
     assert metrics.peak_flops(torch.device("cpu")) is None
-    # Matched on torch.cuda.get_device_name(): the most specific entry first, so an H100 PCIe is not read as an
-    # SXM H100 nor an L40S as an L4.
+    # Matched on the whole torch.cuda.get_device_name(), so an H100 PCIe is not read as an SXM H100 nor an L40S as
+    # an L4 (tests/test_hardware.py has the rest).
     names = {
         "NVIDIA H100 80GB HBM3": 989e12,
         "NVIDIA H100 PCIe": 756e12,
