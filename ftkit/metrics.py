@@ -108,6 +108,15 @@ def step_row(
     }
 
 
+def release_cached_memory(device: torch.device) -> None:
+    """Once, after a rank that loaded the whole model kept only its slice (tp-ft, tp-sp-ft, pp-ft, fsdp-tp-ft): the
+    freed weights' blocks go back to the driver. The caching allocator would otherwise keep them reserved for the
+    whole run - `peak_reserved` at least the whole bf16 model on every rank - and out of reach of what NCCL and
+    cuBLAS allocate outside it."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def reset_peak_memory(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -378,7 +387,8 @@ class StepTimer:
 def memory_note(device: torch.device, extra: str = "") -> str:
     """What the summary's predicted and measured memory are."""
     measured = (
-        "CUDA peak allocated"
+        "CUDA peak allocated (peak_reserved: what the caching allocator held at its peak, the allocated bytes plus "
+        "its cached free blocks; NCCL's buffers and the CUDA context are outside it)"
         if device.type == "cuda"
         else "process peak RSS, which also counts Python, libraries and data, so it is not comparable with the "
         "model's GPU bytes"

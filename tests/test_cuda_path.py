@@ -178,3 +178,29 @@ def test_the_step_scalars_come_to_the_host_from_any_device():
         2.5,
         3.0,
     ]
+
+
+@pytest.mark.parametrize(
+    "script, sliced",
+    [
+        ("tp-ft", "parallelize_module(layer"),
+        ("tp-sp-ft", "parallelize(model"),
+        ("pp-ft", "del model, lm"),
+        ("fsdp-tp-ft", "fully_shard(model"),
+    ],
+)
+def test_a_rank_that_built_the_whole_model_releases_its_cached_blocks_after_slicing(script, sliced, monkeypatch):
+    """Each rank of these scripts builds the whole bf16 model on its GPU and keeps its slice. The freed blocks stay
+    in the caching allocator unless released: peak_reserved would be at least the whole model, on every rank, and
+    that memory out of NCCL's reach. The release must come after the slicing and before the steps are measured."""
+    from ftkit import metrics
+
+    main = (ROOT / "experiments" / script / "train.py").read_text().split("\ndef main()")[1]
+    release = main.index("metrics.release_cached_memory(device)")
+    assert main.index(sliced) < release < main.index("run.start_log(")
+    released = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(True))
+    metrics.release_cached_memory(torch.device("cpu"))
+    metrics.release_cached_memory(torch.device("cuda", 1))
+    assert released == [True]  # on CUDA only
+    assert "peak_reserved: what the caching allocator held" in metrics.memory_note(torch.device("cuda", 1))

@@ -141,6 +141,7 @@ def main() -> None:
     for layer in model.base_model.model.model.layers:
         fully_shard(layer, mesh=mesh["dp"], mp_policy=policy)
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
+    metrics.release_cached_memory(device)  # the whole model this rank built, but its shards, back to the driver
     counts = models.parameter_counts(model)
     run.print0(
         f"mesh {dp} x {tp} (dp x tp); parameters: {counts['trainable']:,} trainable, {counts['frozen']:,} frozen"
@@ -216,7 +217,8 @@ def main() -> None:
         options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         full = get_model_state_dict(model, options=options)
         if rank == 0:
-            run.save_adapter(run_dir / "adapter", get_peft_model_state_dict(model, state_dict=full), peft_config)
+            weights = get_peft_model_state_dict(model, state_dict=full, save_embedding_layers=False)
+            run.save_adapter(run_dir / "adapter", weights, peft_config)
     if rank != 0:
         return
     summary = log.run_summary(

@@ -215,6 +215,7 @@ def main() -> None:
         Stage(lm, sid * per_stage, per_stage, first=sid == 0, last=sid == n_stages - 1).train() for sid in stage_ids
     ]
     del model, lm  # the layers of other ranks' stages are freed here
+    metrics.release_cached_memory(device)  # and their blocks go back to the driver
     stages = [PipelineStage(m, sid, n_stages, device) for m, sid in zip(modules, stage_ids)]
     has_first, has_last = stages[0].is_first, stages[-1].is_last
     last_rank = next(r for r in range(world) if n_stages - 1 in rank_stages(r, world, args.schedule))

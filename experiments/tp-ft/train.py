@@ -146,6 +146,7 @@ def main() -> None:
         parallelize_module(layer, mesh, plan)
     for name, p in model.named_parameters():  # the plan must not make a frozen weight trainable
         p.requires_grad_("lora_" in name)
+    metrics.release_cached_memory(device)  # the whole model this rank built, but its slices, back to the driver
     counts = models.parameter_counts(model)
     run.print0(f"parameters (whole model): {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
 

@@ -295,6 +295,7 @@ def main() -> None:
     # ---- tensor parallel: the projections become column/row-parallel linears holding this rank's slices. The
     # norms are untouched: frozen, replicated, and (under SP) run on this rank's tokens.
     parallelize(model, tp, rank, group, args.sequence_parallel)
+    metrics.release_cached_memory(device)  # the whole model this rank built, but its slices, back to the driver
     counts = models.parameter_counts(model)
     run.print0(f"parameters on this rank: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
     replicated = replicated_lora(model)
