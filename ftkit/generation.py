@@ -99,6 +99,7 @@ def rouge(predictions: Sequence[str], references: Sequence[str]) -> dict[str, fl
 
 def load_for_inference(cfg: dict, device: torch.device):
     """(tokenizer, formatter, examples, base model) exactly as the training run built them."""
+    models.fetch(cfg["model"])  # the run's base model: on this machine too, or a ModelError that says what to do
     splits = data.load_splits(cfg["data"], cfg.get("data_revision"))
     tokenizer = models.load_tokenizer(cfg["model"], data.corpus(splits["train"]))
     formatter = data.ChatFormatter(tokenizer, cfg["max_length"])
@@ -163,5 +164,5 @@ def infer_main(description: str, experiment: str, finetuned, add_flags=None, che
         model = finetuned(base, cfg, args, device)
         tuned_out = summarize(model, tokenizer, formatter, examples, args.max_new_tokens, device)
         report(examples, [ex.answer for ex in examples], base_out, tuned_out, Path(cfg["run_dir"]), args.split)
-    except (run.RunError, run.CheckpointError, data.DataError) as e:
+    except (run.RunError, run.CheckpointError, data.DataError, models.ModelError) as e:
         run.fail(str(e))

@@ -1,6 +1,7 @@
 """Models and tokenizers: Qwen3-4B (bf16 or 4-bit NF4), `tiny` for CPU, and `qwen3-4b-shape` for GPU measurements.
 
-- `Qwen/Qwen3-4B` (or any local path / hub id): loaded with `from_pretrained`.
+- `Qwen/Qwen3-4B` (or any local path / hub id): loaded with `from_pretrained`. One that cannot be had (a missing
+  folder, a malformed hub id, a hub model unknown, gated or out of reach) is a `ModelError` that says what to do.
 - `tiny`: a random-init `Qwen3ForCausalLM` small enough for CPU, with a byte-level BPE tokenizer trained
   offline and deterministically on the run's own AMI training text, carrying Qwen3's special tokens and a chat
   template that renders the same prompt Qwen3's does. Built from the seed, so every script (and every rank)
@@ -133,7 +134,9 @@ def load_tokenizer(model: str, train_texts: Iterable[str] | None = None):
         return tiny_tokenizer(train_texts)
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model)
+    check_model(model)
+    with hub_errors(model):
+        return AutoTokenizer.from_pretrained(model)
 
 
 def attention_implementation(device: torch.device, dtype: torch.dtype) -> str:
@@ -162,16 +165,119 @@ def _say(message: str) -> None:
         print(message, flush=True)
 
 
+class ModelError(ValueError):
+    """The --model given cannot be had; the message says what is wrong and what to do."""
+
+
+# What to do when a model's files cannot be had: ways to the weights, and the two models that need none.
+WITHOUT_WEIGHTS = (
+    f"--model {QWEN3_4B_SHAPE} (Qwen3-4B's shape, random weights) for speed and memory runs, or --model {TINY} with "
+    "--smoke for the CPU walkthrough"
+)
+
+
+def _looks_like_path(model: str) -> bool:
+    """A --model that is meant as a folder: written as a path (/, ., ~, more than one slash), or a path whose first
+    folder exists here. Anything else is taken for a hub id (owner/name), as transformers takes it."""
+    parts = Path(model).parts
+    return model.startswith(("/", ".", "~")) or model.count("/") > 1 or (len(parts) > 1 and Path(parts[0]).is_dir())
+
+
+def check_model(model: str) -> None:
+    """Refuse, from the command line alone (no network), a --model that is neither 'tiny', 'qwen3-4b-shape', a model
+    folder nor a well-formed hub id: a typo'd path would otherwise be taken for a hub id and fail in the hub client."""
+    if model in (TINY, QWEN3_4B_SHAPE):
+        return
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(
+                f"--model {model}: the folder has no config.json, so it is not a transformers model folder (one that "
+                "save_pretrained or a hub download writes: config.json, *.safetensors, the tokenizer's files)"
+            )
+        return
+    if path.exists():
+        raise ModelError(f"--model {model}: a file, not a model folder (config.json, *.safetensors, tokenizer files)")
+    if _looks_like_path(model):
+        missing = next(p for p in reversed([path, *path.parents]) if not p.exists())
+        raise ModelError(
+            f"--model {model}: no such model folder ({missing} does not exist). Give the folder that holds the "
+            f"model's config.json and weights, a hub id such as {QWEN3_4B}, or {WITHOUT_WEIGHTS}"
+        )
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError as e:
+        raise ModelError(
+            f"--model {model}: neither a local folder nor a hub id ({e}). A hub id is owner/name, such as "
+            f"{QWEN3_4B}; or give a model folder, or {WITHOUT_WEIGHTS}"
+        ) from e
+
+
+@contextlib.contextmanager
+def hub_errors(model: str):
+    """The hub client's errors while getting `model`'s files (raised by huggingface_hub, or by transformers around
+    them as an OSError), as a ModelError that says what to do."""
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    try:
+        yield
+    except (HFValidationError, OSError) as e:
+        if Path(model).expanduser().exists():  # a local folder's own error (a missing or broken file), not the hub's
+            raise
+        hub = (GatedRepoError, RepositoryNotFoundError, LocalEntryNotFoundError)
+        cause = e  # transformers raises an OSError of its own from the hub's error: find the hub's
+        while cause is not None and not isinstance(cause, hub):
+            cause = cause.__cause__ or cause.__context__
+        if isinstance(cause, GatedRepoError):
+            say = (
+                f"a gated model on the hub, which this login may not use: accept its terms at "
+                f"https://huggingface.co/{model}, then log in here with that account (hf auth login, or set HF_TOKEN)"
+            )
+        elif isinstance(cause, RepositoryNotFoundError):
+            say = (
+                f"no such model on the hub (or a private one this login cannot see): check the spelling (a hub id is "
+                f"owner/name, such as {QWEN3_4B}; a local model is given as its folder's path), or log in with an "
+                f"account that can see it (hf auth login, or set HF_TOKEN); or {WITHOUT_WEIGHTS}"
+            )
+        elif isinstance(cause, LocalEntryNotFoundError):
+            why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub cannot be reached from here"
+            say = (
+                f"not in the hub cache ({constants.HF_HUB_CACHE}, under HF_HOME) and {why}. Download it once where "
+                f"the hub can be reached (hf download {model}) into this HF_HOME, or copy such a cache here and point "
+                f"HF_HOME at it; HF_HUB_OFFLINE=1 then uses the cached copy. Or {WITHOUT_WEIGHTS}"
+            )
+        else:
+            first_line = (str(e).strip().splitlines() or [""])[0]
+            say = (
+                f"cannot be had from the hub ({type(e).__name__}: {first_line}). A hub model is downloaded into the "
+                f"hub cache ({constants.HF_HUB_CACHE}, under HF_HOME); HF_HUB_OFFLINE=1 uses a cached copy; a gated "
+                f"one needs hf auth login. Or {WITHOUT_WEIGHTS}"
+            )
+        raise ModelError(f"--model {model}: {say}") from e
+
+
 def fetch(model: str) -> None:
-    """Download a hub model's files into the Hugging Face cache, before the process group exists: a first run
-    downloads ~8 GB, and ranks waiting for rank 0 in a collective meanwhile would hit NCCL's timeout. Every rank
-    calls it; the hub client locks each file, so each is downloaded once per machine. Local paths and the
-    random-init models need nothing."""
-    if model in (TINY, QWEN3_4B_SHAPE) or Path(model).exists():
+    """Check --model (`check_model`) and download a hub model's files into the Hugging Face cache, before the
+    process group exists: a first run downloads ~8 GB, and ranks waiting for rank 0 in a collective meanwhile would
+    hit the group's timeout; a model that cannot be had is a ModelError here, on every rank alike, not a traceback.
+    Every rank calls it; the hub client locks each file, so each is downloaded once per machine. Local folders and
+    the random-init models need nothing."""
+    check_model(model)
+    if model in (TINY, QWEN3_4B_SHAPE) or Path(model).expanduser().exists():
         return
     from huggingface_hub import snapshot_download
 
-    snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
+    with hub_errors(model):
+        snapshot_download(model, allow_patterns=["*.json", "*.safetensors", "*.txt", "*.model"])
 
 
 def model_config(model: str, vocab_size: int | None = None):
@@ -183,7 +289,9 @@ def model_config(model: str, vocab_size: int | None = None):
         return Qwen3Config(**QWEN3_4B_CONFIG)
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(model)
+    check_model(model)
+    with hub_errors(model):
+        return AutoConfig.from_pretrained(model)
 
 
 def bnb_config(compute_dtype: torch.dtype):
@@ -290,10 +398,21 @@ def freeze_base(model, grad_checkpointing: bool, reentrant: bool = False):
     for p in model.parameters():
         p.requires_grad_(False)
     if grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        checkpoint_activations(model, reentrant)
         if reentrant:  # the reentrant kind backpropagates only into a checkpoint whose input requires grad
             model.enable_input_require_grads()
     return model
+
+
+def checkpoint_activations(model, reentrant: bool = False) -> None:
+    """transformers' activation checkpointing of every decoder layer (torch.utils.checkpoint, non-reentrant unless
+    asked). transformers 5.2x calls it activation_checkpointing_enable, and its old name gradient_checkpointing_enable
+    a deprecated alias that warns; the transformers that Python 3.10 resolves may have the old name only."""
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def lora_config(rank: int, alpha: float, dropout: float):
@@ -311,7 +430,9 @@ def lora_config(rank: int, alpha: float, dropout: float):
 
 def apply_lora(model, rank: int, alpha: float, dropout: float, seed: int):
     """PEFT LoRA on all seven projections; the adapter's random init (lora_A) is seeded so that every
-    technique starts from the same adapter."""
+    technique starts from the same adapter. The scripts save it with save_embedding_layers=False: the embedding is
+    neither targeted nor resized, and PEFT's default ("auto") looks for the base model's config.json at every save,
+    on the hub unless --model is a local folder (a request for Qwen/Qwen3-4B, a warning for 'tiny')."""
     from peft import get_peft_model
 
     torch.manual_seed(seed + 1)

@@ -402,8 +402,12 @@ def main(argv: list[str] | None = None) -> dict:
     if args.gpus < 1 or args.nodes < 1 or args.gpus % args.nodes:
         p.error(f"--gpus {args.gpus} must be a positive multiple of --nodes {args.nodes} (GPUs per node alike)")
     gpu = hardware.gpu(args.gpu)
+    try:
+        config = model_config(args.model)
+    except models.ModelError as e:
+        p.error(str(e))  # one line and exit code 2, as a bad flag
     setting = Setting(
-        config=model_config(args.model),
+        config=config,
         gpu=gpu,
         gpus=args.gpus,
         nodes=args.nodes,

@@ -352,7 +352,7 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
         )
     if technique == "fsdp":  # as experiments/fsdp-ft/train.py: checkpointing, PEFT, then FSDP2
         if args.grad_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            models.checkpoint_activations(model)
         model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
         counts = models.parameter_counts(model)
         script.shard_model(model, args, device, world)
@@ -361,7 +361,7 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
         from torch.distributed.tensor.parallel import parallelize_module
 
         if args.grad_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            models.checkpoint_activations(model)
         model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
         model = models.adapters_compute_in(model, dtype)
         counts = models.parameter_counts(model)
@@ -373,7 +373,7 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
     elif technique == "pp":  # as experiments/pp-ft/train.py (run.load_lora_model): checkpointing, PEFT; its stages
         # are cut from the model once it has storage (`pipeline`), as the script cuts them from the loaded model
         if args.grad_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            models.checkpoint_activations(model)
         model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
         model = models.adapters_compute_in(model, dtype)
         counts = models.parameter_counts(model)
@@ -381,7 +381,7 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
         import torch.distributed as dist
 
         if args.grad_checkpointing:
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            models.checkpoint_activations(model)
         model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
         counts = models.parameter_counts(model)
         script.parallelize(model, world, 0, dist.group.WORLD, args.sequence_parallel)

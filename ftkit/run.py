@@ -328,22 +328,31 @@ def share_cpu_cores(device: torch.device) -> None:
         torch.set_num_threads(max(1, cores // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
+# How long a collective may wait for the other ranks before the run ends with an error. Set, not left to torch:
+# its default depends on the backend string (10 minutes for "nccl" alone, 30 for "cpu:gloo,cuda:nccl" or "gloo" in
+# torch 2.15). 30 minutes covers what ranks legitimately wait for inside the group - rank 0 loading Qwen3-4B into
+# host memory while the others wait at a barrier (fsdp-ft), a checkpoint written to slow shared storage - and
+# still ends a hung job within the half hour.
+PROCESS_GROUP_TIMEOUT = dt.timedelta(minutes=30)
+
+
 def init_process_group(device: torch.device) -> None:
     """Join the process group torchrun set up (RANK, WORLD_SIZE, MASTER_ADDR/PORT). On GPUs both backends: NCCL
     moves CUDA tensors only, and gloo gives a CPU tensor (a metric, a pickled object, a CPU-offloaded gradient's
-    norm) a route instead of an error; device_id binds the NCCL communicator to this rank's GPU. gloo on CPU."""
+    norm) a route instead of an error; device_id binds the NCCL communicator to this rank's GPU. gloo on CPU. Both
+    with PROCESS_GROUP_TIMEOUT."""
     import torch.distributed as dist
 
     if device.type == "cuda":
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device, timeout=PROCESS_GROUP_TIMEOUT)
     else:
-        dist.init_process_group("gloo")
+        dist.init_process_group("gloo", timeout=PROCESS_GROUP_TIMEOUT)
 
 
 def start_ranks(args: argparse.Namespace, tp: int | None = None) -> tuple[torch.device, dict]:
     """A torchrun process (one per GPU) up to its process group, in the order that keeps the group's timeout away:
     this rank's device (on CPU, its share of the cores); the model's files downloaded (~8 GB of weights on a first
-    run) before the group exists, so that no rank waits in a collective meanwhile, where NCCL's 10-minute timeout
+    run) before the group exists, so that no rank waits in a collective meanwhile, where the group's 30-minute timeout
     would end the run; with `tp`, a tensor-parallel degree that does not deal out whole heads refused from the
     config (`check_tp_degree`), on every rank alike, before the data, the group or any weight; the data splits
     (a hub dataset downloads too); then the group (`init_process_group`). Returns (device, splits)."""
@@ -360,20 +369,21 @@ def start_ranks(args: argparse.Namespace, tp: int | None = None) -> tuple[torch.
 
 
 def launch(main) -> None:
-    """Run a train.py's `main`: a RunError/DataError/CheckpointError ends it with its message and exit code 2, not
-    a traceback. Then destroy the process group, if one is up, and leave without running the C++ static
+    """Run a train.py's `main`: a RunError/DataError/ModelError/CheckpointError ends it with its message and exit
+    code 2, not a traceback. Then destroy the process group, if one is up, and leave without running the C++ static
     destructors: with gloo a launch can otherwise abort at exit ("terminate called without an active exception")
     after the work is done (devlogs/ddp-ft.md, "The exit abort")."""
     import torch.distributed as dist
 
     from ftkit.data import DataError
+    from ftkit.models import ModelError
 
     code = 0
     try:
         main()
     except RunComplete as e:
         print0(str(e))
-    except (RunError, DataError, CheckpointError) as e:
+    except (RunError, DataError, ModelError, CheckpointError) as e:
         # Flags and data are the same on every rank, so rank 0 says it once; a checkpoint error can be one rank's
         # own shard, so every rank that meets one says so. The others wait a moment before exiting: torchrun stops
         # the whole group at the first exit, which could otherwise cut rank 0 off before it has printed.
@@ -853,6 +863,16 @@ def check_same_world(ckpt: Path, state: dict, world: int, why: str = "each rank 
         )
 
 
+def seed_dropout(seed: int, stream: int) -> None:
+    """Seed LoRA dropout's RNG (the CPU's and every CUDA generator) for this rank, once the model and its adapter are
+    built (their init is seeded on its own, the same on every rank). `stream`: ranks that train on different tokens
+    (data-parallel ranks; pipeline ranks, which run other layers) pass different ones, so their masks are
+    independent; one generator state everywhere would draw the same masks on every rank, noise correlated across
+    the batch. Ranks that hold the same tokens (a tensor-parallel group) pass the same one: they must draw the same
+    mask for a replicated input, as one GPU's layer would. Stream 0 is the single-GPU run's."""
+    torch.manual_seed(int(hashlib.sha256(f"{seed}-lora-dropout-{stream}".encode()).hexdigest()[:15], 16))
+
+
 def restore_rng(ckpt: Path, state: dict, rank: int, world: int) -> None:
     """Each rank continues the RNG stream (the LoRA dropout masks) it had when the checkpoint was written. At
     another world size the micro-batches are dealt to other ranks, so no saved stream matches this rank's work:
@@ -1139,7 +1159,7 @@ def load_lora_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.
             args.model, quant="none", dtype=dtype, device=device, seed=args.seed, vocab_size=vocab_size
         )
     if args.grad_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        models.checkpoint_activations(model)
     return models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
 
 

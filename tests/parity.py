@@ -213,16 +213,16 @@ def _rank_logs(log_dir: Path) -> dict[int, dict[str, str]]:
 
 def refused(monkeypatch, script: str, *argv: str, world: int | None = None) -> str:
     """`script`'s main() run in this process with `argv` (as rank 0 of `world` torchrun ranks, if given): the
-    message of the error it stops with (a RunError, DataError or CheckpointError, which run.launch prints on rank 0
-    alone as one line with exit code 2; test_ddp.py checks that in a real launch). A script that starts its process
-    group before refusing fails here: bad flags are refused before any rank waits on another. In-process, so that
-    each check does not pay for importing torch again."""
+    message of the error it stops with (a RunError, DataError, ModelError or CheckpointError, which run.launch prints
+    on rank 0 alone as one line with exit code 2; test_ddp.py checks that in a real launch). A script that starts
+    its process group before refusing fails here: bad flags are refused before any rank waits on another.
+    In-process, so that each check does not pay for importing torch again."""
     import runpy
 
     import pytest
     import torch.distributed as dist
 
-    from ftkit import data, run
+    from ftkit import data, models, run
 
     if world is not None:
         for key in ("RANK", "LOCAL_RANK"):
@@ -236,7 +236,7 @@ def refused(monkeypatch, script: str, *argv: str, world: int | None = None) -> s
     monkeypatch.setattr(dist, "init_process_group", no_group)
     monkeypatch.setattr(sys, "argv", [script, *argv])
     main = runpy.run_path(str(ROOT / script))["main"]
-    with pytest.raises((run.RunError, data.DataError, run.CheckpointError)) as error:
+    with pytest.raises((run.RunError, data.DataError, models.ModelError, run.CheckpointError)) as error:
         main()
     return str(error.value)
 
@@ -324,3 +324,17 @@ def infer_with_a_loud_adapter(script: str, run_dir: Path, tmp: Path, *extra: str
     assert all(e["reference"] for e in result["examples"])
     assert all(e["base"] != e["finetuned"] for e in result["examples"]), result["examples"]
     return result
+
+
+def rank_dropout_streams(ckpt: Path, world: int = 2) -> list:
+    """Each rank's CPU generator state (LoRA dropout's stream) in a checkpoint: rng-rank<r>.pt, or the "rng" of
+    rank<r>.pt where each rank writes one file (tp-sp-ft, pp-ft)."""
+    import torch
+
+    def state(r: int):
+        own = ckpt / f"rng-rank{r}.pt"
+        if own.exists():
+            return torch.load(own, weights_only=True)["torch"]
+        return torch.load(ckpt / f"rank{r}.pt", weights_only=True)["rng"]["torch"]
+
+    return [state(r) for r in range(world)]

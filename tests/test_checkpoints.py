@@ -213,3 +213,14 @@ def test_a_checkpoint_saved_on_another_gpu_loads_where_that_gpu_does_not_exist(t
     assert b"cuda:7" in (tmp_path / "rank0.pt").read_bytes()  # the file names a GPU this machine does not have
     state = run.load_torch(tmp_path / "rank0.pt")
     assert state["exp_avg"].device == torch.device("cpu") and torch.equal(state["exp_avg"], torch.ones(3))
+
+
+def test_dropout_streams_are_one_per_stream_and_the_same_for_every_rank_that_shares_one():
+    def draws(stream: int) -> torch.Tensor:
+        run.seed_dropout(0, stream)
+        return torch.rand(4)
+
+    assert torch.equal(draws(0), draws(0)) and torch.equal(draws(3), draws(3))
+    assert not torch.equal(draws(0), draws(1))
+    run.seed_dropout(1, 0)
+    assert not torch.equal(torch.rand(4), draws(0))  # another --seed, another stream

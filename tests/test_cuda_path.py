@@ -13,6 +13,7 @@ builds the model. What the scripts decide on the way is what a GPU run would do:
 
 from __future__ import annotations
 
+import datetime
 import runpy
 import sys
 import types
@@ -60,7 +61,7 @@ def run_rank(script: str, rank: int, flags: list[str], monkeypatch) -> dict:
 
     def init_process_group(backend=None, **kwargs):
         seen["order"].append("init_process_group")
-        seen["backend"], seen["device_id"] = backend, kwargs.get("device_id")
+        seen["backend"], seen["device_id"], seen["timeout"] = backend, kwargs.get("device_id"), kwargs.get("timeout")
         REAL["init_process_group"](backend="fake", store=FakeStore(), rank=rank, world_size=WORLD)
 
     def traced(name: str):
@@ -114,6 +115,7 @@ def test_every_rank_starts_both_backends_and_the_same_attention(script, tmp_path
     for rank, seen in enumerate(ranks):
         assert seen["backend"] == "cpu:gloo,cuda:nccl"
         assert seen["device_id"] == torch.device("cuda", rank)
+        assert seen["timeout"] == datetime.timedelta(minutes=30)  # set, not torch's backend-dependent default
         assert seen["order"][:3] == ["fetch", "load_splits", "init_process_group"]
         assert len(seen["load_model"]) == 1
     attn = [seen["load_model"][0]["attn"] for seen in ranks]

@@ -207,6 +207,13 @@ def test_resume_continues_with_the_same_losses(dropout, tmp_path):
     continued_as_uninterrupted(out, dropout)
 
 
+def test_each_rank_draws_its_own_dropout_masks(dropout):
+    """The ranks train on different examples: their dropout streams differ (the same seed on every rank would draw
+    the same masks on each)."""
+    first, second = parity.rank_dropout_streams(dropout.run_dir / "checkpoints" / "step-3")
+    assert not torch.equal(first, second)
+
+
 def test_resume_on_another_number_of_ranks(accum, tmp_path):
     """The replicas are whole, so a run continues on any number of ranks: the 2-rank run's step-3 checkpoint,
     resumed on 1 rank (4 micro-batches accumulated instead of 2 on each of 2 ranks), gives the same losses and

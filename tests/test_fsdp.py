@@ -168,6 +168,11 @@ def test_resume_continues_with_the_same_losses(dropout, tmp_path):
     assert parity.compare_adapters(tmp_path / "resumed" / "adapter", dropout.run_dir / "adapter") <= 1e-6
 
 
+def test_each_rank_draws_its_own_dropout_masks(dropout):
+    first, second = parity.rank_dropout_streams(dropout.run_dir / "checkpoints" / "step-2")
+    assert not first.equal(second)  # the ranks' examples differ, and so do their dropout streams
+
+
 def test_resume_on_another_number_of_ranks(accum, tmp_path):
     """torch.distributed.checkpoint reshards: the 2-rank run's step-2 checkpoint, resumed on 1 rank, gives the same
     steps up to summation order. Without dropout: new RNG streams (stated in the output) are what differs."""

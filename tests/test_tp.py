@@ -317,6 +317,8 @@ def resumed_equals_uninterrupted(script: str, tmp_path, data_dir, stop: bool) ->
     whole_flags = flags(data_dir, *DROPOUT, "--save-every", "2")
     whole = parity.torchrun(script, *whole_flags, "--output-dir", str(tmp_path / "whole"))
     assert whole.returncode == 0, whole.report()
+    # The ranks hold the same tokens, replicated inputs included: they draw the same dropout masks.
+    assert torch.equal(*parity.rank_dropout_streams(whole.run_dir / "checkpoints" / "step-2"))
     out = tmp_path / "resumed"
     if stop:
         first = parity.torchrun(script, *flags(data_dir, *DROPOUT), "--output-dir", str(out), "--stop-after", "2")

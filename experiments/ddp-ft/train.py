@@ -98,7 +98,7 @@ def main() -> None:
     device = run.device_for(args, local_rank)
     run.share_cpu_cores(device)
     # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
-    # collective meanwhile, where NCCL's 10-minute timeout would end the run.
+    # collective meanwhile, where the group's timeout would end the run.
     models.fetch(args.model)
     splits = data.load_splits(args.data, args.data_revision)
     # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, a pickled object).
@@ -124,6 +124,7 @@ def main() -> None:
     # fire once, in order. The reentrant kind runs a nested backward per layer (--reentrant-checkpointing).
     model = models.freeze_base(model, args.grad_checkpointing, reentrant=args.reentrant_checkpointing)
     model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+    run.seed_dropout(args.seed, stream=rank)  # each rank's examples differ, and so do its dropout masks
     model = models.adapters_compute_in(model, dtype)  # bf16 compute (autocast), fp32 weights: as single-gpu-ft
     counts = models.parameter_counts(model)
     run.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
@@ -176,7 +177,7 @@ def main() -> None:
         dist.gather_object(run.rng_state(), rng, dst=0)
         if rank == 0:
             tmp = run.staging_dir(run_dir, step)
-            model.module.save_pretrained(tmp / "adapter")
+            model.module.save_pretrained(tmp / "adapter", save_embedding_layers=False)
             torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
             for r, state in enumerate(rng):
                 torch.save(state, tmp / f"rng-rank{r}.pt")
@@ -254,7 +255,7 @@ def main() -> None:
     if rank != 0:
         return
     if finished:
-        model.module.save_pretrained(run_dir / "adapter")
+        model.module.save_pretrained(run_dir / "adapter", save_embedding_layers=False)
     summary = log.run_summary(
         last_step,
         predicted=metrics.predicted_memory(config, args, "ddp", quant=args.quant, world_size=world),

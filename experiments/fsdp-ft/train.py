@@ -170,7 +170,7 @@ def main() -> None:
     device = run.device_for(args, run.torchrun_local_rank())
     run.share_cpu_cores(device)
     # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
-    # collective meanwhile, where NCCL's 10-minute timeout would end the run.
+    # collective meanwhile, where the group's timeout would end the run.
     models.fetch(args.model)
     splits = data.load_splits(args.data, args.data_revision)
     # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, an offloaded grad norm).
@@ -210,8 +210,9 @@ def main() -> None:
     if args.grad_checkpointing:
         # Non-reentrant: transformers checkpoints each layer's forward, not its __call__, so FSDP2's hooks stay
         # outside the checkpoint and the recomputation in backward does not all-gather the layer a third time.
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        models.checkpoint_activations(model)
     model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+    run.seed_dropout(args.seed, stream=rank)  # each rank's examples differ, and so do its dropout masks
     if args.adapters_in_base_dtype:
         for p in model.parameters():
             if p.requires_grad:
@@ -261,7 +262,8 @@ def main() -> None:
             model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
         )
         if rank == 0:
-            run.save_adapter(path, get_peft_model_state_dict(model, state_dict=full), model.peft_config["default"])
+            weights = get_peft_model_state_dict(model, state_dict=full, save_embedding_layers=False)
+            run.save_adapter(path, weights, model.peft_config["default"])
 
     # ---- train
     model.train()

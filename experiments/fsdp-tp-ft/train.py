@@ -87,7 +87,7 @@ def main() -> None:
     args = parse_args()
     device = run.device_for(args, run.torchrun_local_rank())
     run.share_cpu_cores(device)
-    # Downloads before the group exists: no rank waits in a collective meanwhile (NCCL's 10-minute timeout).
+    # Downloads before the group exists: no rank waits in a collective meanwhile (the group's 30-minute timeout).
     models.fetch(args.model)
     # The mesh is checked from the environment and the config, on every rank alike, before the data, the process
     # group or any weight: its product, and a TP degree that deals out whole heads.
@@ -116,6 +116,7 @@ def main() -> None:
     # fsdp-ft's route instead: rank 0 loads into host memory, the others build on the meta device. Checkpointing
     # is non-reentrant, inside each layer's forward: FSDP's hooks stay outside, the TP collectives are recomputed.
     model = run.load_lora_model(args, dtype, device, len(tokenizer))
+    run.seed_dropout(args.seed, stream=dp_rank)  # a TP group's ranks hold the same tokens: one stream per group
     config = model.config
     token_bytes = config.hidden_size * dtype.itemsize  # a token's activation between blocks, for the comm theory
     peft_config = model.peft_config["default"]

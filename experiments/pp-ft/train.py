@@ -163,7 +163,7 @@ def main() -> None:
     n_stages, per_stage = stage_layout(models.model_config(args.model).num_hidden_layers, world, args.schedule)
     # Pipelining is not data parallelism: every micro-batch of the step goes through every rank.
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
-    # Downloads before the group exists: no rank waits in a collective meanwhile (NCCL's 10-minute timeout).
+    # Downloads before the group exists: no rank waits in a collective meanwhile (the group's 30-minute timeout).
     models.fetch(args.model)
     splits = data.load_splits(args.data, args.data_revision)
     run.init_process_group(device)  # "cpu:gloo,cuda:nccl" on GPUs
@@ -203,6 +203,7 @@ def main() -> None:
     # Checkpointing: each decoder layer recomputes its activations in backward; the stages call the layers
     # directly, and a layer applies the checkpointing itself (transformers' GradientCheckpointingLayer).
     model = run.load_lora_model(args, dtype, device, len(tokenizer))
+    run.seed_dropout(args.seed, stream=rank)  # each rank runs other layers: masks of their own
     config = model.config
     model = models.adapters_compute_in(model, dtype)  # bf16 compute (autocast), fp32 weights: as single-gpu-ft
     counts = models.parameter_counts(model)

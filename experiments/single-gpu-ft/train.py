@@ -37,6 +37,7 @@ def main() -> None:
     device = run.device_for(args)
     dtype = run.torch_dtype(args.dtype)
     run_dir, resume_from = run.resolve_run_dir(args)
+    models.fetch(args.model)  # the model's files (a download on a first run), or one clear line if it cannot be had
 
     # ---- data: AMI examples in Qwen3's chat format, loss only on the answer, length-grouped global batches
     splits = data.load_splits(args.data, args.data_revision)
@@ -54,6 +55,7 @@ def main() -> None:
     # embedding, lm_head and norms stay in the compute dtype (bf16 on GPUs), as in the bf16-LoRA runs.
     model = models.freeze_base(model, args.grad_checkpointing)
     model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+    run.seed_dropout(args.seed, stream=0)  # the dropout masks' stream (each data-parallel rank has its own)
     # The adapters compute in bf16 (under autocast) with fp32 weights: no fp32 copy of an activation, no fp32 GEMM.
     model = models.adapters_compute_in(model, dtype)
     counts = models.parameter_counts(model)
@@ -81,7 +83,7 @@ def main() -> None:
 
     def save_checkpoint(step: int) -> None:
         tmp = run.staging_dir(run_dir, step)
-        model.save_pretrained(tmp / "adapter")
+        model.save_pretrained(tmp / "adapter", save_embedding_layers=False)
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
         torch.save(run.rng_state(), tmp / "rng.pt")
         run.commit_checkpoint(tmp, step, {"seed": args.seed}, args.keep_checkpoints)
@@ -137,7 +139,7 @@ def main() -> None:
     # ---- save: a stock PEFT adapter (adapter_config.json + adapter_model.safetensors)
     finished = last_step == args.max_steps
     if finished:
-        model.save_pretrained(run_dir / "adapter")
+        model.save_pretrained(run_dir / "adapter", save_embedding_layers=False)
     summary = log.run_summary(
         last_step,
         predicted=metrics.predicted_memory(config, args, "single", quant=args.quant),

@@ -130,6 +130,7 @@ def main() -> None:
     # then each rank keeps its slices. A real-size run would load only its shard; here clarity wins. Checkpointing
     # is non-reentrant: backward recomputes each layer, and with it the layer's forward collectives.
     model = run.load_lora_model(args, dtype, device, len(tokenizer))
+    run.seed_dropout(args.seed, stream=0)  # every rank holds the same tokens: the same masks on each
     config = model.config
     token_bytes = config.hidden_size * dtype.itemsize  # a token's activation between blocks, for the comm theory
     # bf16 compute (autocast casts the fp32 adapter weights, DTensor shards included), fp32 master weights.
