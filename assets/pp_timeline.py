@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 import matplotlib
@@ -27,13 +28,14 @@ COLORS = {"F": "#4C72B0", "L": "#55A868", "B": "#DD8452", "I": "#C44E52", "W": "
 def bubble_table(runs: list[Path]) -> str:
     lines = [
         "| run | schedule | ranks x stages/rank | micro-batches m | bubble theory | theory, measured F/I/W times "
-        "| bubble measured (mean) | per rank | busy s/step (per rank) | idle s/step (per rank) "
+        "| bubble measured (median, steps 2..N) | per rank | busy s/step (per rank) | idle s/step (per rank) "
         "| ms per action, last step (mean) |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run_dir in runs:
         s = json.loads((run_dir / "summary.json").read_text())
         rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line]
+        rows = rows[1:] if len(rows) > 1 else rows  # the steps the summary's bubble is the median of
         pipe = s["pipeline"]
         with_costs = s.get("bubble_theory_measured_costs")  # multi-stage schedules only
         with_costs = "-" if with_costs is None else f"{with_costs:.3f}"
@@ -42,8 +44,8 @@ def bubble_table(runs: list[Path]) -> str:
             for _, kind, _, t0, t1 in rank:
                 spans.setdefault(kind, []).append(t1 - t0)
         per_action = " / ".join(f"{k} {sum(spans[k]) / len(spans[k]) * 1e3:.2f}" for k in "FLBIW" if k in spans)
-        busy = [sum(r["busy_s"][k] for r in rows) / len(rows) for k in range(pipe["ranks"])]
-        idle = [sum(r["idle_s"][k] for r in rows) / len(rows) for k in range(pipe["ranks"])]
+        busy = [statistics.median(r["busy_s"][k] for r in rows) for k in range(pipe["ranks"])]
+        idle = [statistics.median(r["idle_s"][k] for r in rows) for k in range(pipe["ranks"])]
         lines.append(
             f"| `{run_dir.name}` | {pipe['schedule']} | {pipe['ranks']} x {pipe['stages_per_rank']} "
             f"| {pipe['microbatches']} | {s['bubble_theory']:.3f} | {with_costs} "
@@ -105,7 +107,7 @@ def main() -> None:
         pipe = summary["pipeline"]
         ax.set_title(
             f"{pipe['schedule']}: {pipe['ranks']} ranks x {pipe['stages_per_rank']} stage(s), m={pipe['microbatches']}"
-            f" - bubble measured {summary['bubble']:.2f} (mean of steps and ranks),"
+            f" - bubble measured {summary['bubble']:.2f} (median of steps 2..N, mean of ranks),"
             f" theory {summary['bubble_theory']:.2f}"
             f"{'' if summary['config'].get('grad_checkpointing', True) else ', no activation checkpointing'}",
             fontsize=9,

@@ -513,15 +513,23 @@ class ActionTimer:
 
     On CPU the marks are wall-clock. On CUDA the host only queues the kernels, so a wall-clock would time the
     launches: the marks are CUDA events on the compute stream (recorded after the stream was made to wait for the
-    received activations), read once per step after the last one completes."""
+    received activations), read once per step after the last one completes.
+
+    It also counts the calls of the stages' modules between start and stop: one per micro-batch and stage, unless
+    torch ran forwards of its own inside the step (to infer the stages' shapes, when they are not given)."""
 
     def __init__(self, stages: list, device: torch.device):
         self.cuda = device.type == "cuda"
         self.marks: list[tuple[int, str, int, object, object]] = []  # (stage, F/B/I/W, micro-batch, start, end)
+        self.forwards = 0
         for stage in stages:
+            stage.submod.register_forward_pre_hook(self._count_forward)
             stage.forward_one_chunk = self._wrap(stage.forward_one_chunk, stage.stage_index, "F")
             stage.backward_one_chunk = self._wrap(stage.backward_one_chunk, stage.stage_index, "B")
             stage.backward_weight_one_chunk = self._wrap(stage.backward_weight_one_chunk, stage.stage_index, "W")
+
+    def _count_forward(self, module, args) -> None:
+        self.forwards += 1
 
     def _now(self):
         if not self.cuda:
@@ -555,13 +563,13 @@ class ActionTimer:
         return timed
 
     def start(self) -> None:
-        self.marks, self.t0 = [], self._now()
+        self.marks, self.forwards, self.t0 = [], 0, self._now()
 
     def stop(self) -> None:
         self.t1 = self._now()
 
-    def read(self) -> tuple[list[tuple[int, str, int, float, float]], float, float]:
-        """(events in seconds since start, busy seconds, seconds from start to stop)."""
+    def read(self) -> tuple[list[tuple[int, str, int, float, float]], float, float, int]:
+        """(events in seconds since start, busy seconds, seconds from start to stop, stage forwards run)."""
         if self.cuda:
             self.t1.synchronize()
 
@@ -573,7 +581,7 @@ class ActionTimer:
                 return mark - self.t0
 
         events = [(stage, kind, mb, since(a), since(b)) for stage, kind, mb, a, b in self.marks]
-        return events, sum(end - start for *_, start, end in events), since(self.t1)
+        return events, sum(end - start for *_, start, end in events), since(self.t1), self.forwards
 
 
 def schedule_bubble(order: dict[int, list], cost: dict[tuple[int, str], float] | None = None) -> float:
@@ -634,10 +642,11 @@ def action_costs(events: list[tuple[int, str, int, float, float]]) -> dict[tuple
     return costs
 
 
-def pipeline_step(every: list[tuple[float, float, dict]]) -> dict:
-    """experiments/pp-ft's per-step fields from every rank's (busy seconds, seconds inside schedule.step, its
-    recorded sends): the sends of all ranks together, and each rank's busy and idle time and bubble."""
-    busy, total, sends = (list(x) for x in zip(*every))
+def pipeline_step(every: list[tuple[float, float, int, dict]]) -> dict:
+    """experiments/pp-ft's per-step fields from every rank's (busy seconds, seconds inside schedule.step, stage
+    forwards run inside it, its recorded sends): the sends of all ranks together, and each rank's busy and idle
+    time, bubble and stage forwards (m per stage it holds, when no shape inference ran inside the step)."""
+    busy, total, forwards, sends = (list(x) for x in zip(*every))
     bubble = [1 - b / t for b, t in zip(busy, total)]
     send = {key: sum(s.get("send", {}).get(key, 0) for s in sends) for key in ("bytes", "count")}
     return {
@@ -647,25 +656,30 @@ def pipeline_step(every: list[tuple[float, float, dict]]) -> dict:
         "idle_s": [t - b for b, t in zip(busy, total)],
         "bubble_per_rank": bubble,
         "bubble": sum(bubble) / len(bubble),
+        "stage_forwards": forwards,
     }
 
 
 def bubble_summary(rows: list[dict], world: int, theory: float, order: dict | None, timeline: dict | None) -> dict:
-    """experiments/pp-ft's summary fields for the bubble: the measured mean over steps (and per rank) next to the
-    schedule's `theory` (equal-cost actions) and, for a multi-stage schedule (`order`: its actions), the order
-    run with the last step's own mean F / I / W time per stage (`schedule_bubble`)."""
+    """experiments/pp-ft's summary fields for the bubble: the measured median over the steps after the first (the
+    first also sets up the point-to-point links; `MetricsLog.summary` keeps it out of the step time's median too),
+    and per rank, next to the schedule's `theory` (equal-cost actions) and, for a multi-stage schedule (`order`:
+    its actions), the order run with the last step's own mean F / I / W time per stage (`schedule_bubble`)."""
     events = [e for rank in timeline["events"] for e in rank] if timeline else []
+    timed = rows[1:] if len(rows) > 1 else rows
     return {
-        "bubble": sum(r["bubble"] for r in rows) / len(rows) if rows else None,
-        "bubble_per_rank": [sum(r["bubble_per_rank"][k] for r in rows) / len(rows) for k in range(world)]
-        if rows
+        "bubble": statistics.median(r["bubble"] for r in timed) if timed else None,
+        "bubble_per_rank": [statistics.median(r["bubble_per_rank"][k] for r in timed) for k in range(world)]
+        if timed
         else None,
+        "bubble_steps": f"median over steps {timed[0]['step']}..{timed[-1]['step']}" if timed else None,
         "bubble_theory": theory,
         "bubble_theory_measured_costs": schedule_bubble(order, action_costs(events)) if order and events else None,
         "bubble_note": "per rank and step: 1 - (time inside the stages' forward/loss/backward/weight-gradient "
-        "actions) / (time inside schedule.step), timed with CUDA events on GPUs, wall-clock on CPU; the mean over "
-        "steps and ranks. Idle time includes point-to-point transfers and the schedule's own Python work, which "
-        "the theory counts as zero. bubble_theory: equal-cost F, I, W on every stage and free transfers; "
-        "bubble_theory_measured_costs (multi-stage schedules): their action order with the last step's mean F/I/W "
-        "time per stage",
+        "actions) / (time inside schedule.step), timed with CUDA events on GPUs, wall-clock on CPU. bubble: the "
+        "median over the steps after the first (bubble_steps) of the mean over ranks; bubble_per_rank: each rank's "
+        "median over the same steps. Idle time includes point-to-point transfers and the schedule's own Python "
+        "work, which the theory counts as zero. bubble_theory: equal-cost F, I, W on every stage and free "
+        "transfers; bubble_theory_measured_costs (multi-stage schedules): their action order with the last step's "
+        "mean F/I/W time per stage",
     }

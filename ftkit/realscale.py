@@ -485,11 +485,9 @@ def pipeline(script, model, args, world: int, device: torch.device, microbatches
     `materialise`: the Stage keeps the model's rotary embedding, which materialise replaces with one whose
     frequencies are computed.
 
-    The PipelineStage is given its metadata (input_args, output_args), which the script's stages infer: that
-    exchanges shapes with the neighbour stages over the group, and the fake group delivers nothing. The hidden
-    states require grad, as the inferred metadata marks them: the stage derives from the output's the gradient it
-    receives in backward (without it, stage 0's backward fails for a missing gradient), and from the input's that
-    its received activations require grad, so a later stage computes their gradient and sends it back.
+    The PipelineStage is the script's own (`pipeline_stage`), given its metadata (input_args, output_args), so no
+    shapes are inferred: that would exchange them with the neighbour stages over the group, and the fake group
+    delivers nothing.
 
     Once an output's send completes, the stage drops its reference to it (backward starts from its autograd node),
     but only for an output whose type is exactly torch.Tensor; a FakeTensor, a subclass, would be kept until its
@@ -498,22 +496,12 @@ def pipeline(script, model, args, world: int, device: torch.device, microbatches
     neither). The last stage sends no output: it keeps each one, as on the GPU, for the step's merged output."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensor
-    from torch.distributed.pipelining import PipelineStage
 
     config = model.config
     n_stages, per_stage = script.stage_layout(config.num_hidden_layers, world, args.schedule)
     [sid] = script.rank_stages(dist.get_rank(), world, args.schedule)  # GPipe, 1F1B: one stage a rank (PP_SCHEDULES)
     module = script.Stage(model.base_model.model, sid * per_stage, per_stage, first=sid == 0, last=sid == n_stages - 1)
-    rows, length = args.micro_batch_size, args.max_length
-    hidden = torch.empty(rows, length, config.hidden_size, dtype=run.torch_dtype(args.dtype), requires_grad=True)
-    stage = PipelineStage(
-        module.train(),
-        sid,
-        n_stages,
-        device,
-        input_args=torch.empty(rows, length, dtype=torch.long) if sid == 0 else hidden,
-        output_args=hidden,
-    )
+    stage = script.pipeline_stage(module.train(), sid, n_stages, device, args, config)
     releasable = stage._output_slot_is_releasable
 
     def releasable_as_a_plain_tensor(output) -> tuple[bool, str]:
@@ -640,9 +628,8 @@ def measure(opts: argparse.Namespace) -> dict:
             model, stage, schedule = pipeline(script, model, args, world, device, accum, n_target)
             comm.record_stage_sends([stage], recorder)
             stand_ins.append(
-                "the PipelineStage is given its input and output metadata (input_args, output_args: the shapes and "
-                "dtypes pp-ft's stages infer from the first micro-batch, which the fake group cannot exchange "
-                "between ranks)"
+                "the PipelineStage is given its input and output metadata (input_args, output_args: pp-ft's own "
+                "`pipeline_stage`, so no shapes are exchanged between ranks, which the fake group could not do)"
                 + (
                     "; the gradients stage 0 receives are its receive buffers as the stage allocates them (fake "
                     "tensors: the fake group's receive returns at once and writes nothing); a sent stage output is "

@@ -1,14 +1,16 @@
 """experiments/pp-ft on 2 CPU processes (torchrun, gloo): GPipe, 1F1B, interleaved 1F1B and the zero-bubble schedules
 (interleaved ZB, ZBV, DualPipeV) compute the same training step as the single-process LoRA reference; the
-activations sent between stages are what theory says; the bubble is recorded, shrinks with more micro-batches and is
-reported against each schedule's theory; the stage-local adapters merge into the full model's adapter, which gives
-the pipeline's eval loss on one process; resume; a stage count that does not divide the layers is refused."""
+activations sent between stages are what theory says; no shape inference runs inside a timed step; the bubble is
+recorded, shrinks with more micro-batches and is reported (the median of steps 2..N) against each schedule's theory;
+the stage-local adapters merge into the full model's adapter, which gives the pipeline's eval loss on one process;
+resume; a stage count that does not divide the layers is refused."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import shutil
+import statistics
 
 import parity
 import pytest
@@ -162,6 +164,30 @@ def test_bubble_is_recorded_and_shrinks_with_more_microbatches(gpipe, one_f_one_
     assert many["bubble"] < few["bubble"]
 
 
+def test_summary_bubble_is_the_median_of_the_steps_after_the_first(gpipe, interleaved):
+    """The first step also connects the ranks' point-to-point links: the summary's bubble is the median over steps
+    2..N of each step's mean over ranks, per rank the median of that rank's, and says so."""
+    for run in (gpipe, interleaved):
+        summary = json.loads((run.run_dir / "summary.json").read_text())
+        rows = parity.metrics(run.run_dir)[1:]
+        assert summary["bubble"] == statistics.median(r["bubble"] for r in rows)
+        assert summary["bubble_per_rank"] == [statistics.median(r["bubble_per_rank"][k] for r in rows) for k in (0, 1)]
+        assert summary["bubble_steps"] == f"median over steps 2..{STEPS}"
+
+
+@pytest.mark.parametrize("run_name", ["gpipe", "one_f_one_b", "interleaved", *ZERO_BUBBLE])
+def test_no_shape_inference_inside_the_timed_step(request, run_name):
+    """The stages are given their shapes (`pipeline_stage`), so torch runs no forward of its own to infer them:
+    in every step, the first and the one after an eval (step 3) included, each rank runs exactly m forwards per
+    stage it holds. Without the shapes, step 1 and every step after a `schedule.eval()` (which flips the schedule's
+    mode and re-initialises it) ran one more per stage, with a backward (and the loss on the last stage), all inside
+    the timed step."""
+    run_dir = request.getfixturevalue(run_name).run_dir
+    pipe = json.loads((run_dir / "summary.json").read_text())["pipeline"]
+    per_rank = pipe["microbatches"] * pipe["stages_per_rank"]
+    assert [r["stage_forwards"] for r in parity.metrics(run_dir)] == [[per_rank, per_rank]] * STEPS
+
+
 @pytest.mark.parametrize("run_name", ZERO_BUBBLE)
 def test_zero_bubble_theory(request, interleaved, run_name):
     """The zero-bubble schedules' own action order, with equal F, I and W times, idles (p-1)/(3vm+p-1) of the step:
@@ -190,6 +216,8 @@ def test_resume_with_dropout_continues_the_same_run(tmp_path, data_dir):
     second = parity.torchrun(TRAIN, "--resume", str(out / "checkpoints" / "step-2"), "--output-dir", str(out))
     assert second.returncode == 0, second.report()
     assert "at step 2" in second.ranks[0]["stdout"]
+    first, last = parity.rank_dropout_streams(out / "checkpoints" / "step-2")
+    assert not torch.equal(first, last)  # the ranks run other layers: their dropout streams are their own
     assert [r["step"] for r in parity.metrics(out)] == list(range(1, STEPS + 1))
     assert parity.compare_losses(out, whole.run_dir) <= 1e-6
     assert parity.compare_adapters(out / "adapter", whole.run_dir / "adapter") <= 1e-6

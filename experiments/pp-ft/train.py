@@ -138,6 +138,17 @@ class Stage(nn.Module):
         return self.lm_head(torch.take_along_dim(hidden, positions[..., None], dim=1))
 
 
+def pipeline_stage(module: Stage, sid: int, n_stages: int, device, args, config) -> PipelineStage:
+    """`module` as stage `sid`, given its shapes (meta tensors): token ids [micro, --max-length] into stage 0, hidden
+    states [micro, --max-length, hidden] in the compute dtype out of each stage, requiring grad (a gradient comes
+    back for each output and goes back for each input). Else the schedule infers them inside the timed step, at step
+    1 and after each eval() (a mode flip): a real forward and backward of every stage, the loss on the last."""
+    shape = (args.micro_batch_size, args.max_length)
+    hidden = torch.empty(*shape, config.hidden_size, dtype=run.torch_dtype(args.dtype), device="meta").requires_grad_()
+    ids = torch.empty(shape, dtype=torch.long, device="meta")
+    return PipelineStage(module, sid, n_stages, device, input_args=ids if sid == 0 else hidden, output_args=hidden)
+
+
 def global_adapter_key(stage_name: str, first_layer: int) -> str:
     """A LoRA parameter's name in a stage -> its key in the full model's PEFT adapter file: the stage-local layer
     index becomes the global one and PEFT's adapter name ("default") is dropped, as save_pretrained does.
@@ -177,10 +188,9 @@ def main() -> None:
     batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
 
     def padded(items: list) -> dict[str, torch.Tensor]:
-        # A PipelineStage learns the shapes it sends and receives from the first micro-batch and allocates its
-        # receive buffers once, so every micro-batch of every step has one shape: (micro, --max-length). The
-        # last stage's target packs, per row, the positions whose logits the loss needs and the tokens they
-        # predict ([rows, 2, k]), so the schedule cuts both into micro-batches along with the inputs.
+        # Every micro-batch, of every step and of the eval, is (micro, --max-length): the stages' given shape
+        # (`pipeline_stage`). The last stage's target packs, per row, the positions whose logits the loss needs and
+        # the tokens they predict ([rows, 2, k]), so the schedule cuts both into micro-batches with the inputs.
         mb = data.collate(items)
         return {
             "input_ids": nn.functional.pad(mb["input_ids"], (0, args.max_length - mb["input_ids"].shape[1])),
@@ -217,7 +227,7 @@ def main() -> None:
     ]
     del model, lm  # the layers of other ranks' stages are freed here
     metrics.release_cached_memory(device)  # and their blocks go back to the driver
-    stages = [PipelineStage(m, sid, n_stages, device) for m, sid in zip(modules, stage_ids)]
+    stages = [pipeline_stage(m, sid, n_stages, device, args, config) for m, sid in zip(modules, stage_ids)]
     has_first, has_last = stages[0].is_first, stages[-1].is_last
     last_rank = next(r for r in range(world) if n_stages - 1 in rank_stages(r, world, args.schedule))
 
@@ -247,10 +257,7 @@ def main() -> None:
 
     # This rank's LoRA weights under the full model's adapter keys (unique across stages).
     lora = {
-        global_adapter_key(name, m.first_layer): p
-        for m in modules
-        for name, p in m.named_parameters()
-        if p.requires_grad
+        global_adapter_key(n, m.first_layer): p for m in modules for n, p in m.named_parameters() if p.requires_grad
     }
 
     # ---- resume: each rank reads back its stages' LoRA weights, their optimizer state and its RNG (rank<r>.pt)
@@ -326,9 +333,9 @@ def main() -> None:
             loss, grad_norm = metrics.host_values(loss, grad_norm)
             # Busy = inside a stage's forward, loss or backward; idle = the rest of the schedule's run (waiting,
             # transfers). Python numbers from every rank: an object collective, over gloo on CUDA too.
-            step_events, busy, pipe_time = timer_actions.read()
+            step_events, busy, pipe_time, forwards = timer_actions.read()
             every = [None] * world
-            dist.all_gather_object(every, (busy, pipe_time, recorder.take()))
+            dist.all_gather_object(every, (busy, pipe_time, forwards, recorder.take()))
             row = log.row(
                 step=step + 1,
                 loss=loss,
@@ -337,7 +344,7 @@ def main() -> None:
                 target_tokens=denominator[0],
                 lengths=batches.lengths(step),  # real tokens of the global batch: known on the host
                 seconds=timer.seconds,
-                **metrics.pipeline_step(every),  # the sends, busy / idle time and bubble of every rank
+                **metrics.pipeline_step(every),  # the sends, busy / idle time, bubble, stage forwards of every rank
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
                 row["eval_loss"] = eval_loss()
