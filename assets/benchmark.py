@@ -17,7 +17,10 @@ those directories' summary.json and metrics.jsonl alone, never from what the run
   sends;
 - the pipeline bubble per rank from pp-ft's per-rank busy/idle times, and the bottleneck rank;
 - scaling efficiency: tokens/s / (ranks x the tokens/s of the single-process reference the experiment equals,
-  single-gpu-ft with the run's --quant).
+  single-gpu-ft with the run's --quant);
+- x HF (padded): tokens/s / the tokens/s of the same job through Hugging Face's own stack (assets/hf_baseline.py:
+  transformers' Trainer + PEFT, padded batches), which runs beside the experiments (--hf-collators: padded and
+  the padding-free flatten collator by default) and is what a user would run instead.
 
 Then assets/benchmark.md (and assets/benchmark.png) says what it ran on and with which command.
 """
@@ -50,6 +53,12 @@ BASELINE = "single-gpu-ft"
 QUANT = {"ddp-ft": "nf4"}
 # Experiments that refuse one rank, with their reason (experiments/pp-ft/train.py says it and exits).
 NEEDS_TWO = {"pp-ft": "a pipeline needs at least 2 ranks"}
+# What a user would run instead: the same job through transformers' Trainer + PEFT, one process, with one of its
+# collators; "x HF (padded)" divides every configuration's tokens/s by the padded one's.
+HF = "hf-baseline"
+HF_SCRIPT = "assets/hf_baseline.py"
+HF_COLLATORS = ("padded", "flatten")
+HF_REFERENCE = f"{HF}-padded-1rank"
 
 
 @dataclass
@@ -58,10 +67,12 @@ class Run:
     ranks: int
     quant: str | None  # single-gpu-ft's --quant; the others run with their own default
     repeat: int
+    collator: str | None = None  # the Hugging Face baseline's --collator
 
     @property
     def config(self) -> str:
-        return f"{self.experiment}{f'-{self.quant}' if self.quant else ''}-{self.ranks}rank"
+        variant = self.quant or self.collator
+        return f"{self.experiment}{f'-{variant}' if variant else ''}-{self.ranks}rank"
 
     @property
     def name(self) -> str:
@@ -76,6 +87,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--experiments",
         default=",".join(EXPERIMENTS),
         help="comma-separated; single-gpu-ft runs as the baseline of the others whether listed or not",
+    )
+    p.add_argument(
+        "--hf-collators",
+        default=",".join(HF_COLLATORS),
+        help=f"the Hugging Face baseline ({HF_SCRIPT}) with these collators, comma-separated; 'none' runs it not "
+        "(and leaves the x HF column empty)",
     )
     p.add_argument("--repeats", type=int, default=3, help="runs of each configuration")
     p.add_argument("--max-steps", type=int, default=None, help="steps per run [smoke: 6; GPU: 20]")
@@ -108,6 +125,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [e for e in args.experiments if e not in EXPERIMENTS]
     if unknown:
         p.error(f"unknown experiments {unknown}; known: {', '.join(EXPERIMENTS)}")
+    args.hf_collators = [] if args.hf_collators in ("none", "") else args.hf_collators.split(",")
+    if set(args.hf_collators) - set(HF_COLLATORS):
+        p.error(f"--hf-collators: {args.hf_collators}; known: {', '.join(HF_COLLATORS)} or none")
     if args.nproc < 2 or args.repeats < 1:
         p.error("--nproc must be at least 2 and --repeats at least 1")
     scale = ftrun.SMOKE if args.smoke else ftrun.REAL
@@ -128,16 +148,19 @@ def plan(args: argparse.Namespace) -> list[Run]:
     quants = {QUANT.get(e, "none") for e in others}
     if BASELINE in args.experiments or not others:
         quants = {"nf4", "none"}
-    configs = [(BASELINE, 1, q) for q in sorted(quants)]
+    configs = [(HF, 1, None, c) for c in args.hf_collators]
+    configs += [(BASELINE, 1, q, None) for q in sorted(quants)]
     for e in others:
-        configs += [(e, n, None) for n in (1, args.nproc) if not (n == 1 and e in NEEDS_TWO)]
-    return [Run(e, n, q, k) for k in range(1, args.repeats + 1) for e, n, q in configs]
+        configs += [(e, n, None, None) for n in (1, args.nproc) if not (n == 1 and e in NEEDS_TWO)]
+    return [Run(e, n, q, k, c) for k in range(1, args.repeats + 1) for e, n, q, c in configs]
 
 
 def command(r: Run, args: argparse.Namespace, uv: str) -> list[str]:
     """The README's launch line for this run, plus the common flags that make every run the same job."""
     script = f"experiments/{r.experiment}/train.py"
-    if r.experiment == BASELINE:
+    if r.experiment == HF:
+        launcher = [uv, "run", "python", HF_SCRIPT, "--collator", r.collator]
+    elif r.experiment == BASELINE:
         launcher = [uv, "run", "python", script, "--quant", r.quant]
     else:
         # --standalone: a free port for the rendezvous, so that other jobs on the machine do not collide on 29500.
@@ -216,7 +239,9 @@ def comm_theory(s: dict, key: str) -> tuple[float | None, str]:
 
 
 def label(s: dict) -> str:
-    """The experiment, and its mesh where it has one."""
+    """The experiment, and its mesh where it has one (the Hugging Face baseline: its collator)."""
+    if s["config"]["experiment"] == HF:
+        return f"{HF} ({s['collator']})"
     mesh = s.get("mesh")
     return s["config"]["experiment"] + (f" (dp {mesh['dp']} x tp {mesh['tp']})" if mesh else "")
 
@@ -257,6 +282,7 @@ def report(
 ) -> str:  # fmt: skip
     tps = {c: statistics.median(data[n][0]["median_tokens_per_s"] for n in names) for c, names in configs.items()}
     baseline = {data[names[0]][0]["config"]["quant"]: tps[c] for c, names in configs.items() if c.startswith(BASELINE)}
+    hf = tps.get(HF_REFERENCE)
 
     summaries = [s for s, _ in data.values()]
     first = summaries[0]
@@ -299,15 +325,16 @@ def report(
         "",
         "## Throughput, memory, scaling",
         "",
-        "| experiment | quant | ranks | tokens/s, median (range) | step time s, median (range) | every step s | "
-        "scaling efficiency | peak memory, rank 0 | memory model | MFU | runs | load before |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| experiment | quant | ranks | tokens/s, median (range) | x HF (padded) | step time s, median (range) | "
+        "every step s | scaling efficiency | peak memory, rank 0 | memory model | MFU | runs | load before |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for c, names in configs.items():
         s = data[names[0]][0]
         quant = s["config"].get("quant", "none")
         ranks = s["hardware"]["world_size"]
-        base = baseline.get(quant)
+        hf_row = s["config"]["experiment"] == HF
+        base = None if hf_row else baseline.get(quant)  # HF's step is not one this project's techniques equal
         eff = f"{tps[c] / (ranks * base):.2f}" if base else "-"
         mfus = [data[n][0].get("median_mfu") for n in names]
         cells = [
@@ -315,13 +342,14 @@ def report(
             quant,
             str(ranks),
             spread([data[n][0]["median_tokens_per_s"] for n in names], ",.0f"),
+            f"{tps[c] / hf:.2f}" if hf else "-",
             spread([data[n][0]["median_step_time_s"] for n in names], ".3f"),
             "{:.3f}-{:.3f}".format(*(f(r["step_time_s"] for n in names for r in data[n][1][1:]) for f in (min, max))),
             eff,
             peak_memory(
                 max((data[n][0] for n in names), key=lambda x: x.get("max_peak_allocated", x.get("max_peak_rss")))
             ),
-            f"{s['memory_predicted']['total'] / 2**30:.3f} GiB",
+            "-" if hf_row else f"{s['memory_predicted']['total'] / 2**30:.3f} GiB",
             f"{100 * statistics.median(mfus):.1f}%" if None not in mfus else "-",
             ", ".join(f"`{n}`" for n in names),
             ", ".join(f"{load[n]:.1f}" for n in names),
@@ -346,12 +374,41 @@ def report(
         + ". The range is the smallest and largest of the repeats' medians; every step: the fastest and the "
         "slowest step after the first in any repeat, which shows how much other work on the machine moved "
         "single steps.",
-        "",
-        figure_note,
     ]
+    if any(data[names[0]][0]["config"]["experiment"] == HF for names in configs.values()):
+        out += ["", hf_note(configs, data, gpu)]
+    out += ["", figure_note]
     out += comm_table(configs, data)
     out += bubble_table(configs, data)
     return "\n".join(out) + "\n"
+
+
+def hf_note(configs: dict[str, list[str]], data: dict, gpu: bool) -> str:
+    """What the `hf-baseline` rows are, what x HF (padded) means here, and how their step differs (from the first
+    run's summary.json of each)."""
+    hf = [data[names[0]][0] for names in configs.values() if data[names[0]][0]["config"]["experiment"] == HF]
+    trainer = hf[0]["trainer"]
+    where = (
+        "On GPUs this ratio is the headline: how much faster than what a user would run instead."
+        if gpu
+        else "**On CPU, with the tiny model, the ratio is measured but is no GPU figure**: the Trainer's extra work "
+        "(logits at every position, a host check of every micro-step's loss) costs differently on a GPU, where "
+        "the host and the kernels overlap, so this ratio says nothing about Qwen3-4B on GPUs."
+    )
+    return (
+        f"`{HF}`: the same job through Hugging Face's own stack (`{HF_SCRIPT}`: transformers' `Trainer` + PEFT, "
+        f"{hf[0]['attn_implementation']} attention, optim `{trainer['optim']}`, no compile; the same examples in the "
+        "same order, the same LoRA initialisation, the global batch as "
+        f"{trainer['per_device_train_batch_size']} examples per forward x {trainer['gradient_accumulation_steps']} "
+        "accumulation steps, where a project script that packs counts its micro-batch in rows of the sequence "
+        "length, several examples each), with "
+        + " and ".join(f"`{s['collator_class']}` ({s['collator']})" for s in hf)
+        + f". x HF (padded) = a configuration's median tokens/s / `{HF} (padded)`'s, in this one benchmark run. "
+        + where
+        + " What the Trainer's step does differently, and how its step was timed from outside (a callback), is in "
+        "each run's summary.json (`differences`, `timing_note`); its memory is that of a step this project's memory "
+        "model does not describe (`-`), and its scaling efficiency is not defined (`-`)."
+    )
 
 
 def comm_table(configs: dict[str, list[str]], data: dict) -> list[str]:
@@ -449,17 +506,24 @@ def figure(path: Path, configs: dict[str, list[str]], data: dict, title: str) ->
         s = data[names[0]][0]
         tps = [data[n][0]["median_tokens_per_s"] for n in names]
         quant, ranks = s["config"].get("quant", "none"), s["hardware"]["world_size"]
+        hf_row = s["config"]["experiment"] == HF
         if s["config"]["experiment"] == BASELINE:
             baseline[quant] = statistics.median(tps)
-        labels.append(f"{s['config']['experiment']}\n{ranks} rank{'s' if ranks > 1 else ''}, {quant}")
+        variant = s["collator"] if hf_row else quant
+        labels.append(f"{s['config']['experiment']}\n{ranks} rank{'s' if ranks > 1 else ''}, {variant}")
         med.append(statistics.median(tps))
         lo.append(med[-1] - min(tps))
         hi.append(max(tps) - med[-1])
-        ideal.append(ranks * baseline[quant] if quant in baseline else None)
+        ideal.append(ranks * baseline[quant] if quant in baseline and not hf_row else None)
     fig, ax = plt.subplots(figsize=(max(6, 0.9 * len(labels)), 4.5))
     x = range(len(labels))
-    colors = ["tab:gray" if "\n1 rank," in label else "tab:blue" for label in labels]
-    ax.bar(x, med, yerr=[lo, hi], capsize=3, color=colors, label="measured (median, range over repeats; grey: 1 rank)")
+    colors = [
+        "tab:orange" if label.startswith(HF) else "tab:gray" if "\n1 rank," in label else "tab:blue" for label in labels
+    ]
+    ax.bar(
+        x, med, yerr=[lo, hi], capsize=3, color=colors,
+        label=f"measured (median, range over repeats; grey: 1 rank; orange: {HF}, transformers' Trainer)",
+    )  # fmt: skip
     ideal_x = [i for i, v in zip(x, ideal) if v is not None]
     ax.scatter(ideal_x, [v for v in ideal if v is not None], marker="_", s=600, color="black", zorder=3,
                label="ranks x single-gpu-ft (same quant)")  # fmt: skip
@@ -488,7 +552,9 @@ def main(argv: list[str] | None = None) -> None:
         runs_dir, note = args.report.resolve(), args.note
         args = parse_args(argv)
         args.runs_dir, args.note = runs_dir, note or args.note
-        runs = plan(args)
+        # The runs it launched: a benchmark from before the Hugging Face baseline (or --hf-collators none) has none.
+        launched = {x["run"] for x in launches}
+        runs = [r for r in plan(args) if r.name in launched]
     else:
         if args.runs_dir.exists() and any(args.runs_dir.iterdir()):
             sys.exit(f"{args.runs_dir} is not empty: give a new --runs-dir")

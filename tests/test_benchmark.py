@@ -29,6 +29,7 @@ def test_benchmark_markdown_is_its_run_files(tmp_path, monkeypatch):
     runs, out, fig = tmp_path / "runs", tmp_path / "benchmark.md", tmp_path / "benchmark.png"
     flags = ["--nproc", "2", "--smoke", "--experiments", "pp-ft", "--repeats", "1", "--max-steps", "3"]
     flags += ["--max-length", "128", "--batch-size", "4", "--runs-dir", str(runs), "--out", str(out)]
+    flags += ["--hf-collators", "none"]  # the Hugging Face baseline's rows: tests/test_hf_baseline.py
     proc = run_script("assets/benchmark.py", *flags, "--figure", str(fig))
     assert proc.returncode == 0
     text = out.read_text()
