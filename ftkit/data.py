@@ -351,12 +351,19 @@ class GlobalBatches:
     length and cut into batches, and the batches of the epoch shuffled again - so a batch holds sequences of
     similar length (little padding) while the order stays random. The last partial batch of an epoch is
     dropped so every optimizer step sees exactly `batch_size` sequences.
+
+    `pack_to` (--max-length; None with --no-packing) lays each global batch out as packed rows of that many
+    positions, several examples per row (`pack`, `collate_packed`): the same examples and the same loss, far less
+    padding. A micro-batch is then `micro_batch_size` rows, and a step has as many micro-steps as its rows need.
+    Without it, a row is one example, right-padded to the micro-batch's longest.
     """
 
-    def __init__(self, data: Sequence[Encoded], batch_size: int, seed: int, group: int = 16):
+    def __init__(
+        self, data: Sequence[Encoded], batch_size: int, seed: int, group: int = 16, pack_to: int | None = None
+    ):
         if len(data) < batch_size:
             raise DataError(f"only {len(data)} training examples for a global batch of {batch_size}")
-        self.data, self.batch_size, self.seed, self.group = data, batch_size, seed, group
+        self.data, self.batch_size, self.seed, self.group, self.pack_to = data, batch_size, seed, group, pack_to
         self.per_epoch = len(data) // batch_size
         self._epoch_cache: tuple[int, list[list[int]]] | None = None
 
@@ -392,26 +399,63 @@ class GlobalBatches:
         return sum(self.lengths(step))
 
     def micro_batches(self, step: int, micro_batch_size: int, rank: int = 0, world: int = 1) -> list[dict]:
-        """This rank's micro-batches of step `step`. Micro-step j of rank r takes the slice
-        [(j*world + r)*m, (j*world + r + 1)*m) of the sorted global batch, so the ranks' micro-batches at one
-        micro-step have similar lengths and their union over ranks and micro-steps is the global batch."""
-        return [collate([self.data[i] for i in mb]) for mb in self._micro_indices(step, micro_batch_size, rank, world)]
+        """This rank's micro-batches of step `step`. Micro-step j of rank r takes rows
+        [(j*world + r)*m, (j*world + r + 1)*m) of the step's rows - its examples sorted longest first, or the packed
+        rows, which `pack` fills longest first - so the ranks' micro-batches at one micro-step are alike and their
+        union over ranks and micro-steps is the global batch. Packed, every rank runs the same number of micro-steps
+        (a collective in each, for DDP and FSDP), the last ones topped up with empty rows, and every micro-batch is
+        [m, pack_to]: one shape for the whole run, which a compiled layer needs."""
+        if self.pack_to is None:
+            rows = self._micro_rows(step, micro_batch_size, rank, world)
+            return [collate([self.data[i] for [i] in mb]) for mb in rows]
+        return [
+            collate_packed([[self.data[i] for i in row] for row in rows], self.pack_to)
+            for rows in self._micro_rows(step, micro_batch_size, rank, world)
+        ]
+
+    def micro_steps(self, step: int, micro_batch_size: int, world: int = 1) -> int:
+        """Micro-steps of step `step`, the same on every rank: batch / (micro x ranks) padded, the packed rows'
+        share of each rank packed (so it varies from step to step)."""
+        if self.pack_to is None:
+            return accumulation_steps(self.batch_size, micro_batch_size, world)
+        return -(-len(self.rows(step)) // (micro_batch_size * world))
+
+    def rows(self, step: int) -> list[list[int]]:
+        """The rows of step `step`: examples (indices) per row. Padded, one example each; packed, `pack`'s rows."""
+        if self.pack_to is None:
+            return [[i] for i in self.indices(step)]
+        return pack(self.indices(step), [len(e.input_ids) for e in self.data], self.pack_to)
+
+    def layout(self, step: int, micro_batch_size: int, rank: int = 0, world: int = 1, multiple: int = 1) -> dict:
+        """This rank's micro-steps at step `step`, and the share of the positions they compute that are padding
+        (`padded_tokens` positions in all), from the host-side lengths: the metrics rows' `micro_batches` and
+        `padding_fraction`."""
+        rows = [r for mb in self._micro_rows(step, micro_batch_size, rank, world) for r in mb]
+        real = sum(len(self.data[i].input_ids) for row in rows for i in row)
+        positions = self.padded_tokens(step, micro_batch_size, rank, world, multiple)
+        return {
+            "micro_batches": self.micro_steps(step, micro_batch_size, world),
+            "padding_fraction": 1 - real / positions,
+        }
 
     def padded_tokens(self, step: int, micro_batch_size: int, rank: int = 0, world: int = 1, multiple: int = 1) -> int:
         """Positions, padding included, of this rank's micro-batches of step `step` as `micro_batches` collates them
-        (each right-padded to its longest row, then to a multiple of `multiple`: `pad_to_multiple`): the
-        [micro, seq] extent of the step's activations, known on the host."""
+        (padded: each right-padded to its longest row, then to a multiple of `multiple`, `pad_to_multiple`; packed:
+        m rows of pack_to): the [micro, seq] extent of the step's activations, known on the host."""
+        micro_rows = self._micro_rows(step, micro_batch_size, rank, world)
+        if self.pack_to is not None:
+            return len(micro_rows) * micro_batch_size * -(-self.pack_to // multiple) * multiple
         return sum(
-            len(mb) * -(-max(len(self.data[i].input_ids) for i in mb) // multiple) * multiple
-            for mb in self._micro_indices(step, micro_batch_size, rank, world)
+            len(mb) * -(-max(len(self.data[i].input_ids) for [i] in mb) // multiple) * multiple for mb in micro_rows
         )
 
-    def _micro_indices(self, step: int, m: int, rank: int, world: int) -> list[list[int]]:
-        idx = self.indices(step)
-        return [
-            idx[(j * world + rank) * m : (j * world + rank + 1) * m]
-            for j in range(accumulation_steps(self.batch_size, m, world))
+    def _micro_rows(self, step: int, m: int, rank: int, world: int) -> list[list[list[int]]]:
+        """Rows (examples per row) of this rank's micro-steps; packed, topped up to m rows with empty ones."""
+        rows = self.rows(step)
+        parts = [
+            rows[(j * world + rank) * m : (j * world + rank + 1) * m] for j in range(self.micro_steps(step, m, world))
         ]
+        return parts if self.pack_to is None else [part + [[]] * (m - len(part)) for part in parts]
 
 
 def accumulation_steps(batch_size: int, micro_batch_size: int, data_parallel: int) -> int:
@@ -423,6 +467,71 @@ def accumulation_steps(batch_size: int, micro_batch_size: int, data_parallel: in
             f"{max(per_step, batch_size // per_step * per_step)}"
         )
     return batch_size // per_step
+
+
+def pack(indices: Sequence[int], lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """First-fit decreasing: the examples `indices` (lengths[i] tokens each, at most `capacity`) laid into as few
+    rows of `capacity` positions as it finds, longest first, each into the first row with room. FFD uses at most
+    11/9 of the optimal number of rows plus one (Johnson 1973; Dosa 2007 for the tight bound). A pure function of its
+    input: every rank packs the same rows."""
+    order = sorted(indices, key=lambda i: (-lengths[i], i))
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in order:
+        if lengths[i] > capacity:
+            raise DataError(f"an example of {lengths[i]} tokens does not fit a packed row of {capacity}")
+        row = next((r for r, room in enumerate(free) if room >= lengths[i]), None)
+        if row is None:
+            rows.append([])
+            free.append(capacity)
+            row = len(rows) - 1
+        rows[row].append(i)
+        free[row] -= lengths[i]
+    return rows
+
+
+def collate_packed(rows: Sequence[Sequence[Encoded]], width: int, pad_id: int = 0) -> dict:
+    """Packed rows of `width` positions, several examples per row, as `collate` lays out one per row, with
+    `position_ids` restarting at 0 at each example (and at the padding that ends a row) and no attention mask:
+    given `position_ids` and no mask and no KV cache, transformers builds a block-diagonal causal mask from the
+    position restarts (`masking_utils.find_packed_sequence_indices`), so no example attends to another, and RoPE
+    sees each example at the positions it has alone. The loss positions are each example's own (`collate`'s), so
+    no example's first token is trained to follow the previous one. An empty row (a rank's last micro-step topped
+    up) is all padding and has no target.
+
+    `lengths` are the examples' real tokens (not the rows'): attention's cost is per example."""
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    positions: list[list[int]] = []
+    targets_of: list[list[int]] = []
+    for r, row in enumerate(rows):
+        start, pos, tgt = 0, [], []
+        for e in row:
+            n = len(e.input_ids)
+            ids[r, start : start + n] = torch.tensor(e.input_ids)
+            labels[r, start : start + n] = torch.tensor(e.labels)
+            position_ids[r, start : start + n] = torch.arange(n)
+            pos += [start + p for p in range(n - 1) if e.labels[p + 1] != IGNORE_INDEX]
+            tgt += [e.labels[p + 1] for p in range(n - 1) if e.labels[p + 1] != IGNORE_INDEX]
+            start += n
+        position_ids[r, start:] = torch.arange(width - start)
+        positions.append(pos)
+        targets_of.append(tgt)
+    k = max(1, max(len(p) for p in positions))
+    logit_positions = torch.zeros((len(rows), k), dtype=torch.long)
+    targets = torch.full((len(rows), k), IGNORE_INDEX, dtype=torch.long)
+    for r, (pos, tgt) in enumerate(zip(positions, targets_of)):
+        logit_positions[r, : len(pos)] = torch.tensor(pos, dtype=torch.long)
+        targets[r, : len(tgt)] = torch.tensor(tgt, dtype=torch.long)
+    return {
+        "input_ids": ids,
+        "position_ids": position_ids,
+        "labels": labels,
+        "logit_positions": logit_positions,
+        "targets": targets,
+        "lengths": [len(e.input_ids) for row in rows for e in row],
+    }
 
 
 def collate(items: Sequence[Encoded], pad_id: int = 0) -> dict:
@@ -464,11 +573,13 @@ def collate(items: Sequence[Encoded], pad_id: int = 0) -> dict:
 
 def pad_to_multiple(mb: dict, multiple: int) -> dict:
     """A collated micro-batch right-padded so that its sequence length is a multiple of `multiple`. The padding
-    is masked out of attention (mask 0) and of the loss (label -100): a step on it is unchanged."""
+    comes after every real token (causal attention never reaches it) and out of the loss (label -100): a step on
+    it is unchanged."""
     extra = -mb["input_ids"].shape[1] % multiple
     if extra == 0:
         return mb
-    fill = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX}  # the [rows, seq] tensors; the rest as is
+    # The [rows, seq] tensors; the rest as is. Padding positions 0: each pad a block of its own in a packed row.
+    fill = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX, "position_ids": 0}
     return {k: torch.nn.functional.pad(v, (0, extra), value=fill[k]) if k in fill else v for k, v in mb.items()}
 
 

@@ -1,13 +1,21 @@
 """Per-step metrics, the run summary, FLOPs and MFU, memory and hardware readings.
 
-MFU convention (stated in every summary): model FLOPs per step / (step time x peak bf16 dense FLOP/s x devices).
-For LoRA the frozen base needs no weight gradients, so a real (non-pad) token costs about
-    4 * N_frozen   (forward 2N + input-gradient 2N through the frozen matmuls)
+MFU convention (stated in every summary): model FLOPs per step / (step time x peak bf16 dense FLOP/s x devices),
+the FLOPs the step needs. For LoRA the frozen base needs no weight gradients, so a real (non-pad) token costs about
+    4 * N_frozen   (forward 2N + input-gradient 2N through the frozen projections)
   + 6 * N_lora     (forward, input and weight gradients of the adapters)
   + attention      (QK^T and AV: 4 * L * d * s per token forward for full attention, halved for the causal
-                    mask, x3 for forward + backward: 6 * L * d * s, with s the sequence length)
-where N counts the matmul parameters (the tied lm_head included, the embedding lookup not). Activation
-checkpointing's recomputed forward is not counted (PaLM's MFU, Chowdhery et al. 2022, arXiv 2204.02311, App. B).
+                    mask, x3 for forward + backward: 6 * L * d * s, with s the example's length)
+and the frozen lm_head 4 * V * h at the positions the loss needs only (the answer tokens: the scripts compute
+logits there alone, `logits_to_keep`). N counts the projections' parameters (the embedding lookup is no matmul).
+Activation checkpointing's recomputed forward is not counted: it is work the step repeats, not work it needs
+(as in PaLM's MFU, Chowdhery et al. 2022, arXiv 2204.02311, App. B). `ftkit.realscale` holds the count to within
+5% of torch's FlopCounterMode at Qwen3-4B's shape (tests/test_realscale.py).
+
+This is not PaLM's count, 6N + 12 * L * H * Q * T per token (N every matmul parameter, all trained; attention
+unmasked). `palm_step_flops` gives it for the same tokens: with a frozen base it credits 2N per token of weight
+gradients never computed, the lm_head's 6 * V * h at every token, and twice the causal attention, so its MFU reads
+higher (`tests/test_metrics.py` states the factor at the reference configuration).
 """
 
 from __future__ import annotations
@@ -26,8 +34,9 @@ import torch
 
 MFU_CONVENTION = (
     "model FLOPs per real token = 4*N_frozen + 6*N_lora + 6*layers*heads*head_dim*seq_len (causal attention, "
-    "fwd+bwd); N = matmul parameters incl. lm_head; checkpoint recompute not counted; "
-    "MFU = FLOPs / (step time * peak dense bf16 FLOP/s * devices)"
+    "fwd+bwd), N = the projections' parameters, plus the frozen lm_head's 4*vocab*hidden at the answer positions "
+    "only (where the step computes logits); checkpoint recompute not counted; not PaLM's 6N + 12*L*H*Q*T "
+    "(ftkit/metrics.py palm_step_flops); MFU = FLOPs / (step time * peak dense bf16 FLOP/s * devices)"
 )
 
 
@@ -73,6 +82,14 @@ def step_flops(seq_lens: list[int], config, n_lora: int, logit_positions: int | 
     return float(layers + 4 * lm_head * positions)
 
 
+def palm_step_flops(seq_lens: list[int], config) -> float:
+    """PaLM's model FLOPs for the same sequences (Chowdhery et al. 2022, App. B): 6N + 12 * L * H * Q * T per token,
+    N every matmul parameter (the lm_head included) as if all were trained, attention without the causal halving.
+    For comparing this project's MFU with reports that use PaLM's convention."""
+    d = config.num_attention_heads * config.head_dim
+    return float(sum(s * (6 * matmul_params(config) + 12 * config.num_hidden_layers * d * s) for s in seq_lens))
+
+
 def step_row(
     *,
     step: int,
@@ -92,7 +109,7 @@ def step_row(
     """One optimizer step's metrics row: the loss, the real (non-pad) tokens of the global batch and their rate,
     MFU by the module's convention over `devices` GPUs, what the technique adds, and the peak memory."""
     tokens = sum(lengths)
-    flops = step_flops(lengths, config, n_lora)
+    flops = step_flops(lengths, config, n_lora, logit_positions=target_tokens)  # the lm_head where the loss needs it
     return {
         "step": step,
         "loss": loss,

@@ -18,9 +18,9 @@ defaults), on a synthetic batch of full-length sequences. Measured on that rank:
   answer positions);
 - FLOPs per optimizer step from `torch.utils.flop_counter.FlopCounterMode` (SDPA counted for the pairs its causal
   mask keeps, as the GPU's causal kernels compute them), without activation checkpointing's recompute
-  (`flops_counted`, what the MFU convention counts) and with it, beside the convention's formula
-  (`ftkit.metrics.step_flops`), by component, and beside the same formula with the lm_head at the positions the
-  step computes logits at (`flops_convention_at_logits`);
+  (`flops_counted`, what the MFU convention counts) and with it, beside `ftkit.metrics.step_flops` with the
+  lm_head at every token (`flops_convention`, the MFU convention until 2026-11-25), by component, and with the
+  lm_head at the positions the step computes logits at (`flops_convention_at_logits`: the MFU convention since);
 - the fraction of matmul FLOPs (matmuls and attention) whose operands are bf16;
 - bytes per collective kind in the counted step, recorded as the script records them (`ftkit.comm`), beside the
   script's own theory for the same micro-steps (ddp, fsdp, tp, tp-sp; pp: the stage's sends).

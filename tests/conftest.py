@@ -42,6 +42,27 @@ def data_dir() -> Path:
     return DATA
 
 
+@pytest.fixture(scope="session")
+def short_data_dir(tmp_path_factory) -> Path:
+    """The shipped meetings with every span query's transcript cut to its first 1-8 turns (the number from the
+    query's hash) and no whole-meeting query: examples of ~100-450 tiny-tokenizer tokens instead of ones trimmed to
+    --max-length, so that a packed row of 512 holds several and packing differs from padding."""
+    import gzip
+    import zlib
+
+    out = tmp_path_factory.mktemp("short-spans")
+    for path in sorted(DATA.glob("*/*.json.gz")):
+        meeting = json.loads(gzip.decompress(path.read_bytes()))
+        for q in meeting["specific_query_list"]:
+            start = int(q["relevant_text_span"][0][0])
+            turns = 1 + zlib.crc32(q["query"].encode()) % 8
+            q["relevant_text_span"] = [[str(start), str(min(start + turns, len(meeting["meeting_transcripts"])) - 1)]]
+        meeting["general_query_list"] = []
+        (out / path.parent.name).mkdir(exist_ok=True)
+        (out / path.parent.name / path.name.removesuffix(".gz")).write_text(json.dumps(meeting))
+    return out
+
+
 class Forked:
     """A run the fork server started: what the tests use of subprocess.Popen (pid, poll, wait), its output in files.
     The child leads a session of its own, so os.killpg(pid, ...) stops it with everything it started."""

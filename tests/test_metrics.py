@@ -30,6 +30,26 @@ def test_step_flops_by_hand():
     expected = (3 + 5) * (4 * 1232 + 6 * 100) + 6 * 2 * 8 * (3**2 + 5**2)
     assert expected == 47488
     assert metrics.step_flops([3, 5], cfg, n_lora) == expected
+    # The MFU counts the lm_head (10 x 8) at the answer positions only, 4 of them here, as the step computes it.
+    at_answers = expected - 4 * 80 * (3 + 5) + 4 * 80 * 4
+    assert metrics.step_flops([3, 5], cfg, n_lora, logit_positions=4) == at_answers
+    row = metrics.step_row(step=1, loss=1.0, grad_norm=1.0, lr=0.0, target_tokens=4, lengths=[3, 5], config=cfg,
+                           n_lora=n_lora, seconds=2.0, peak=1e4, devices=1, device=torch.device("cpu"))  # fmt: skip
+    assert row["mfu"] == at_answers / (2.0 * 1e4)
+
+
+def test_palms_count_against_this_projects_at_the_reference_configuration():
+    """PaLM's 6N + 12 L H Q T per token credits a frozen base with weight gradients, the lm_head at every token and
+    unmasked attention. At Qwen3-4B's shape, 16 sequences of 2048 tokens with 256 answer positions each (realscale's
+    runs), it counts 1.66x what this project's MFU counts: a PaLM-convention MFU of 1.66 x ours is the same step."""
+    from ftkit import models
+
+    cfg = models.model_config(models.QWEN3_4B_SHAPE)
+    lengths, answers = [2048] * 16, 256 * 16
+    ours = metrics.step_flops(lengths, cfg, n_lora=33_030_144, logit_positions=answers)
+    palm = metrics.palm_step_flops(lengths, cfg)
+    print(f"PaLM's count / this project's: {palm / ours:.3f}")
+    assert round(palm / ours, 2) == 1.66
 
 
 def test_peak_flops_table():
