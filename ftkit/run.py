@@ -65,6 +65,7 @@ RESUME_FREE = (
     "keep_checkpoints",
     "eval_every",
     "eval_examples",
+    "compile",  # the same step compiled or eager (tests/test_compile.py)
     "explicit_flags",
     "experiment",
 )
@@ -155,7 +156,21 @@ def common_parser(description: str, experiment: str) -> argparse.ArgumentParser:
         "--micro-batch-size",
         type=int,
         default=None,
-        help="sequences per rank per forward; accumulation = batch / (micro x data-parallel ranks) [2; smoke: 2]",
+        help="rows per rank per forward: packed rows of --max-length positions (several sequences each), or with "
+        "--no-packing one padded sequence per row, accumulation = batch / (micro x data-parallel ranks) [2; smoke: 2]",
+    )
+    g.add_argument(
+        "--no-packing",
+        dest="packing",
+        action="store_false",
+        help="one sequence per row, right-padded to the micro-batch's longest (the layout before packing, to compare)",
+    )
+    g.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile each decoder layer (torch.compile, regional: one graph for all layers; the first step pays "
+        "for it), where the technique allows; --no-compile: eager [on CUDA: on; smoke: off]",
     )
     g.add_argument("--lr", type=float, default=None, help="peak learning rate [2e-4; smoke: 2e-3]")
     g.add_argument("--warmup-steps", type=int, default=None, help="linear warmup, then cosine [10; smoke: 3]")
@@ -261,6 +276,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             setattr(args, key, value)
     if args.data_revision is None:
         args.data_revision = HUB_REVISIONS.get(args.data.partition(":")[0])
+    if args.compile is None:  # compiled layers where the step's speed matters; the CPU walkthrough stays eager
+        args.compile = not args.smoke
     for key in (
         "max_steps",
         "max_length",
@@ -420,6 +437,15 @@ def optimizer_step(optimizer: torch.optim.Optimizer, scheduler) -> float:
     return lr
 
 
+def squares_sum(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the tensors' squared elements, in fp32, on `device`, for a gradient norm: torch._foreach_norm
+    launches one kernel per group of tensors of one device and dtype, where a loop of p.grad.pow(2).sum() launches
+    three per tensor (Qwen3-4B's LoRA has 504 matrices: ~1,500 launches a step, each a host dispatch)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float32, device=device)
+    return torch.stack(torch._foreach_norm(tensors)).float().pow(2).sum()
+
+
 def clip_grads_over_ranks(trainable: list, max_norm: float, group=None, replicated: tuple = ()) -> torch.Tensor:
     """The whole model's gradient norm when each rank holds a distinct share of its trainable tensors (pipeline
     stages, tensor-parallel slices), and the gradients clipped to `max_norm` (0: not clipped) as
@@ -431,11 +457,7 @@ def clip_grads_over_ranks(trainable: list, max_norm: float, group=None, replicat
     shared = {id(p) for p in replicated}
 
     def sum_sq(params) -> torch.Tensor:
-        sq = torch.zeros((), dtype=torch.float32, device=trainable[0].device)
-        for p in params:
-            if p.grad is not None:
-                sq += p.grad.detach().float().pow(2).sum()
-        return sq
+        return squares_sum([p.grad.detach() for p in params if p.grad is not None], trainable[0].device)
 
     sq = sum_sq(p for p in trainable if id(p) not in shared)
     dist.all_reduce(sq, group=group)

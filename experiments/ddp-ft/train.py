@@ -111,7 +111,10 @@ def main() -> None:
     # ---- data: AMI examples in Qwen3's chat format, loss only on the answer, length-grouped global batches.
     # Every rank builds the same global batches (a function of seed and step) and takes its own share of each.
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
+    # Packed: rows of --max-length holding several examples each (--no-packing: one padded example per row).
+    batches = data.GlobalBatches(
+        train_set, args.batch_size, args.seed, pack_to=args.max_length if args.packing else None
+    )
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, rank, world)
 
     # ---- model: frozen base (4-bit NF4 for QLoRA) + trainable LoRA on all seven projections, on this rank's device
@@ -125,6 +128,7 @@ def main() -> None:
     model = models.freeze_base(model, args.grad_checkpointing, reentrant=args.reentrant_checkpointing)
     model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     run.seed_dropout(args.seed, stream=rank)  # each rank's examples differ, and so do its dropout masks
+    compiled = models.compile_layers(model, args.compile)  # --compile: each decoder layer, in place, before DDP
     model = models.adapters_compute_in(model, dtype)  # bf16 compute (autocast), fp32 weights: as single-gpu-ft
     counts = models.parameter_counts(model)
     run.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
@@ -202,12 +206,13 @@ def main() -> None:
                     # switches the reducer off for both the forward and the backward of the micro-batches before.
                     sync = j == len(micro_batches) - 1 or args.sync_every_micro_step
                     with contextlib.nullcontext() if sync else model.no_sync():
-                        # The lm_head runs on the answer positions only: the loss needs no other logits.
+                        # The lm_head at the answer positions only; packed rows kept apart by their position_ids.
                         with models.compute_autocast(device, dtype):
                             out = model(
                                 input_ids=mb["input_ids"],
-                                attention_mask=mb["attention_mask"],
+                                position_ids=mb.get("position_ids"),
                                 logits_to_keep=mb["logit_positions"],
+                                use_cache=False,
                             )
                             loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
                         del out  # the logits are freed by backward, not kept alive into the next forward
@@ -238,6 +243,7 @@ def main() -> None:
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
                 seconds=timer.seconds,
                 comm=step_comm,
+                **batches.layout(step, args.micro_batch_size, rank, world),  # micro-steps, share of positions padded
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
                 # Each rank evaluates its share of the held-out set on the bare model (no DDP hooks); sum them.
@@ -260,6 +266,7 @@ def main() -> None:
         last_step,
         predicted=metrics.predicted_memory(config, args, "ddp", quant=args.quant, world_size=world),
         note=metrics.memory_note(device),
+        compile=models.compile_report(compiled),
         # What theory says DDP sends per optimizer step: the trainable gradients, once (once per micro-step with
         # --sync-every-micro-step), in bytes of the buffer; a ring all-reduce puts 2(N-1)/N of that on the wire.
         trainable_grad_bytes=comm.nbytes(trainable),

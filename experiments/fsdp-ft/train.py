@@ -19,6 +19,8 @@ summary measures the symptom.
 
 from __future__ import annotations
 
+from statistics import mean
+
 import torch
 import torch.distributed as dist
 from peft import get_peft_model_state_dict
@@ -99,7 +101,8 @@ def parse_args():
     m.add_argument(
         "--use-cache",
         action="store_true",
-        help="leave the KV cache on in training (with checkpointing transformers drops it; without, it is kept)",
+        help="leave the KV cache on in training (with checkpointing transformers drops it; without, it is kept, and "
+        "packed examples then attend to the ones before them in their row)",
     )
     m.add_argument(
         "--count-lost-updates",
@@ -184,7 +187,10 @@ def main() -> None:
     # ---- data: AMI examples in Qwen3's chat format, loss only on the answer, length-grouped global batches.
     # Every rank builds the same global batches (a function of seed and step) and takes its own share of each.
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
+    # Packed: rows of --max-length holding several examples each (--no-packing: one padded example per row).
+    batches = data.GlobalBatches(
+        train_set, args.batch_size, args.seed, pack_to=args.max_length if args.packing else None
+    )
     # An evaluation forward all-gathers every unit, a collective: every rank must run as many micro-batches.
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, rank, world, even=True)
 
@@ -213,6 +219,7 @@ def main() -> None:
         models.checkpoint_activations(model)
     model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     run.seed_dropout(args.seed, stream=rank)  # each rank's examples differ, and so do its dropout masks
+    compiled = models.compile_layers(model, args.compile)  # --compile: each decoder layer, in place, before FSDP2
     if args.adapters_in_base_dtype:
         for p in model.parameters():
             if p.requires_grad:
@@ -272,9 +279,7 @@ def main() -> None:
     with StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step) as profiler:
         for step in range(start_step, last_step):
             metrics.reset_peak_memory(device)
-            # Target tokens of the whole global batch, all ranks together: the loss denominator. Every rank
-            # computes the same number from the same global batch, without a collective.
-            n_target = batches.n_target(step)
+            n_target = batches.n_target(step)  # the global batch's target tokens: the same on every rank, no collective
             loss_sum = torch.zeros((), device=device)
             micro_batches = batches.micro_batches(step, args.micro_batch_size, rank=rank, world=world)
             with metrics.StepTimer(device) as timer, comm.recording(recorder):
@@ -283,10 +288,10 @@ def main() -> None:
                     # Accumulate the unsharded gradients locally and reduce-scatter once, in the last micro-batch's
                     # backward (FSDP2's no_sync). The all-gathers still happen on every micro-batch.
                     model.set_requires_gradient_sync(j == len(micro_batches) - 1)
-                    # The lm_head runs on the answer positions only: the loss needs no other logits.
+                    # The lm_head at the answer positions only; packed rows kept apart by their position_ids.
                     out = model(
                         input_ids=mb["input_ids"],
-                        attention_mask=mb["attention_mask"],
+                        position_ids=mb.get("position_ids"),
                         logits_to_keep=mb["logit_positions"],
                         use_cache=args.use_cache,
                     )
@@ -338,6 +343,7 @@ def main() -> None:
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
                 seconds=timer.seconds,
                 comm=step_comm,
+                **batches.layout(step, args.micro_batch_size, rank, world),  # micro-steps, share of positions padded
             )
             if args.count_lost_updates:
                 row["lost_update_fraction"] = lost / counts["trainable"]
@@ -362,10 +368,10 @@ def main() -> None:
         save_adapter(run_dir / "adapter")
     if rank != 0:
         return
-    theory = comm.fsdp_theory(
+    theory = comm.fsdp_theory(  # per micro-step: a step all-gathers as often as it has micro-steps
         (counts["trainable"] + counts["frozen"]) * run.torch_dtype(args.param_dtype).itemsize,
         sum(unit_bytes[:-1]),
-        accum,
+        1,
         args.reshard_after_forward,
         counts["trainable"] * run.torch_dtype(args.reduce_dtype).itemsize,
         world,
@@ -376,13 +382,16 @@ def main() -> None:
             config, args, "fsdp", world_size=world, reshard_after_forward=args.reshard_after_forward
         ),
         note=metrics.memory_note(device, "param_shard_bytes (exact) and "),
+        compile=models.compile_report(compiled),
         fsdp_units=len(units) + 1,
         # Measured on rank 0 after sharding: the bytes of its parameter shards, and the largest unit that is
         # all-gathered at once (in --param-dtype).
         param_shard_bytes=param_bytes,
         largest_unit_bytes=max(unit_bytes),
-        # What theory says FSDP2 sends per optimizer step, bytes of the full (gathered) buffers (`comm.fsdp_theory`)
-        theory_all_gather_bytes=theory["all_gather"],
+        # What theory says FSDP2 sends, bytes of the full (gathered) buffers (`comm.fsdp_theory`): the all-gathers
+        # per micro-step, and per step at the run's mean micro-steps (packed steps have as many as their rows need)
+        theory_all_gather_bytes_per_micro_step=theory["all_gather"],
+        theory_all_gather_bytes=round(theory["all_gather"] * mean(r["micro_batches"] for r in log.rows)),
         theory_reduce_scatter_bytes=theory["reduce_scatter"],
         **comm.summarize(log.rows),
         comm_note="per optimizer step, FSDP2's all-gathers and reduce-scatters as recorded around "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from statistics import mean
 
 import torch
 import torch.distributed as dist
@@ -73,13 +74,15 @@ def clip_grads(trainable: list[torch.nn.Parameter], max_norm: float, tp: int) ->
     gradient is a DTensor: on the 2-D mesh where TP split the tensor (each rank a distinct piece), on `dp` alone
     where TP left it whole (the TP ranks hold the same pieces). One all-reduce of the squares over all ranks counts
     the latter TP times, hence / TP."""
-    sq = sum((p.grad.to_local() ** 2).sum() / (1 if p.grad.device_mesh.ndim == 2 else tp) for p in trainable)
+    device = trainable[0].device
+    split = run.squares_sum([p.grad.to_local() for p in trainable if p.grad.device_mesh.ndim == 2], device)
+    whole = run.squares_sum([p.grad.to_local() for p in trainable if p.grad.device_mesh.ndim == 1], device)
+    sq = split + whole / tp
     dist.all_reduce(sq)
     norm = sq.sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in trainable:
-            p.grad.to_local().mul_(coef)
+        torch._foreach_mul_([p.grad.to_local() for p in trainable], coef)
     return norm
 
 
@@ -107,7 +110,9 @@ def main() -> None:
 
     # ---- data: every rank builds the same global batches; a TP group takes its FSDP index's share of each.
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
+    batches = data.GlobalBatches(
+        train_set, args.batch_size, args.seed, pack_to=args.max_length if args.packing else None
+    )
     # Every FSDP forward is a collective: every TP group must run as many eval micro-batches.
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, dp_rank, dp, even=True)
 
@@ -117,6 +122,7 @@ def main() -> None:
     # is non-reentrant, inside each layer's forward: FSDP's hooks stay outside, the TP collectives are recomputed.
     model = run.load_lora_model(args, dtype, device, len(tokenizer))
     run.seed_dropout(args.seed, stream=dp_rank)  # a TP group's ranks hold the same tokens: one stream per group
+    compiled = models.compile_layers(model, args.compile)  # --compile: each decoder layer, in place, before TP+FSDP
     config = model.config
     token_bytes = config.hidden_size * dtype.itemsize  # a token's activation between blocks, for the comm theory
     peft_config = model.peft_config["default"]
@@ -199,6 +205,7 @@ def main() -> None:
                 seconds=timer.seconds,
                 comm=dp_recorder.take(),
                 activation_bytes=batches.padded_tokens(step, args.micro_batch_size, dp_rank, dp) * token_bytes,
+                **batches.layout(step, args.micro_batch_size, dp_rank, dp),  # micro-steps, share of positions padded
                 **({"comm_tp": tp_recorder.take()} if sampled else {}),
             )
             if evals:
@@ -226,12 +233,15 @@ def main() -> None:
         last_step,
         predicted=metrics.predicted_memory(config, args, "fsdp", world_size=world, tp=tp),
         note=metrics.memory_note(device),
+        compile=models.compile_report(compiled),
         mesh={"dp": dp, "tp": tp},
         param_shard_bytes=shard_bytes,
         # Theory per optimizer step on the `dp` dimension, bytes of the whole buffers, as in fsdp-ft but of this TP
         # rank's slices: every unit all-gathered per micro-step forward, the layers again in backward; the LoRA
         # gradients reduce-scattered once, in fp32. On `tp`, tp-ft's all-reduces on this TP group's micro-batches.
-        theory_all_gather_bytes=accum * (all_bytes + layer_bytes) if dp > 1 else 0,  # a group of one sends nothing
+        # per step at the run's mean micro-steps (packed steps have as many as their rows need); none in a group of one
+        theory_all_gather_bytes=round(mean(r["micro_batches"] for r in log.rows) * (all_bytes + layer_bytes))
+        * (dp > 1),
         theory_reduce_scatter_bytes=lora_slice * 4 if dp > 1 else 0,
         theory_comm_tp_bytes_per_step=comm.tp_all_reduce_theory(config, args, log.rows, tp, "comm_tp"),
         **comm.summarize(log.rows),

@@ -42,6 +42,12 @@ SCHEDULES = {
 }
 
 
+PADDED_WHY = (
+    "pp-ft runs padded batches (one example per row), not packed ones: its schedule is built for a fixed number of "
+    "micro-batches per step, and a packed step has as many as its rows need"
+)
+
+
 def parse_args():
     p = run.common_parser(__doc__.splitlines()[0], experiment="pp-ft")
     g = p.add_argument_group("pipeline")
@@ -71,6 +77,9 @@ def parse_args():
         if micro_given and args.micro_batch_size * args.microbatches != args.batch_size:
             raise run.RunError("--microbatches and --micro-batch-size disagree; give one of them")
         args.micro_batch_size = args.batch_size // args.microbatches
+    if args.packing:  # said once, here and in the summary
+        args.packing, args.padded_why = False, PADDED_WHY
+        run.print0(f"note: {PADDED_WHY}")
     return args
 
 
@@ -214,6 +223,7 @@ def main() -> None:
     # directly, and a layer applies the checkpointing itself (transformers' GradientCheckpointingLayer).
     model = run.load_lora_model(args, dtype, device, len(tokenizer))
     run.seed_dropout(args.seed, stream=rank)  # each rank runs other layers: masks of their own
+    compiled = models.compile_layers(model, args.compile)  # --compile: each decoder layer, before the stages take them
     config = model.config
     model = models.adapters_compute_in(model, dtype)  # bf16 compute (autocast), fp32 weights: as single-gpu-ft
     counts = models.parameter_counts(model)
@@ -387,6 +397,7 @@ def main() -> None:
             num_microbatches=accum,
         ),
         note=metrics.memory_note(device, "(predicted: the busiest stage; beyond 1F1B: GPipe's, an upper bound) "),
+        compile=models.compile_report(compiled),
         **metrics.bubble_summary(rows, world, theory, order, timeline),
         # Each micro-batch crosses every boundary between ranks once forward (activations) and once backward
         # (their gradients): micro x --max-length x hidden x bytes, 2 (stages - 1) m times per step (fewer on
@@ -395,6 +406,7 @@ def main() -> None:
         **comm.summarize(rows),
         comm_note="per optimizer step, all ranks together: the point-to-point sends between stages (activations "
         "forward, their gradients backward), counted where the stages build them; time is not measured",
+        packing=getattr(args, "padded_why", "off (--no-packing)"),
     )
     run.finish(args, run_dir, summary, finished)
 

@@ -39,10 +39,13 @@ def main() -> None:
     run_dir, resume_from = run.resolve_run_dir(args)
     models.fetch(args.model)  # the model's files (a download on a first run), or one clear line if it cannot be had
 
-    # ---- data: AMI examples in Qwen3's chat format, loss only on the answer, length-grouped global batches
+    # ---- data: AMI examples in Qwen3's chat format, loss only on the answer, length-grouped global batches,
+    # packed into rows of --max-length positions (several examples each; --no-packing: one padded example per row)
     splits = data.load_splits(args.data, args.data_revision)
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
+    batches = data.GlobalBatches(
+        train_set, args.batch_size, args.seed, pack_to=args.max_length if args.packing else None
+    )
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
 
@@ -56,6 +59,7 @@ def main() -> None:
     model = models.freeze_base(model, args.grad_checkpointing)
     model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     run.seed_dropout(args.seed, stream=0)  # the dropout masks' stream (each data-parallel rank has its own)
+    compiled = models.compile_layers(model, args.compile)  # --compile: each decoder layer, in place (one graph)
     # The adapters compute in bf16 (under autocast) with fp32 weights: no fp32 copy of an activation, no fp32 GEMM.
     model = models.adapters_compute_in(model, dtype)
     counts = models.parameter_counts(model)
@@ -99,12 +103,15 @@ def main() -> None:
             with metrics.StepTimer(device) as timer:
                 for mb in batches.micro_batches(step, args.micro_batch_size):
                     mb = data.to_device(mb, device)
-                    # The lm_head runs on the answer positions only: the loss needs no other logits.
+                    # The lm_head runs on the answer positions only: the loss needs no other logits. Packed rows: the
+                    # position_ids restart at every example, and with no mask and no KV cache that keeps each
+                    # example's attention to itself (data.collate_packed); padded rows need no mask (causal).
                     with models.compute_autocast(device, dtype):
                         out = model(
                             input_ids=mb["input_ids"],
-                            attention_mask=mb["attention_mask"],
+                            position_ids=mb.get("position_ids"),
                             logits_to_keep=mb["logit_positions"],
+                            use_cache=False,
                         )
                         loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
                     del out  # the logits are freed by backward, not kept alive into the next forward
@@ -126,6 +133,7 @@ def main() -> None:
                 target_tokens=n_target,
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
                 seconds=timer.seconds,
+                **batches.layout(step, args.micro_batch_size),  # micro-steps, and the share of positions padded
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
                 sums = run.eval_loss_sums(model, eval_batches, device, dtype)
@@ -144,6 +152,7 @@ def main() -> None:
         last_step,
         predicted=metrics.predicted_memory(config, args, "single", quant=args.quant),
         note=metrics.memory_note(device),
+        compile=models.compile_report(compiled),
     )
     run.finish(args, run_dir, summary, finished)
 

@@ -87,13 +87,13 @@ def clip_grads(trainable: list[torch.nn.Parameter], max_norm: float) -> torch.Te
     """The global gradient norm, and the gradients clipped to `max_norm` (0: not clipped) as clip_grad_norm_ clips,
     the factor left on the device: the DTensor shards' squares summed over the mesh, the replicated adapters
     counted once. (clip_grad_norm_ itself refuses a mix of DTensor and plain tensors.)"""
-    sq = sum((p.grad.to_local() ** 2).sum() for p in trainable if isinstance(p.grad, DTensor))
+    device = trainable[0].device
+    sq = run.squares_sum([p.grad.to_local() for p in trainable if isinstance(p.grad, DTensor)], device)
     dist.all_reduce(sq)
-    norm = (sq + sum((p.grad**2).sum() for p in trainable if not isinstance(p.grad, DTensor))).sqrt()
+    norm = (sq + run.squares_sum([p.grad for p in trainable if not isinstance(p.grad, DTensor)], device)).sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for p in trainable:
-            (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
+        torch._foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in trainable], coef)
     return norm
 
 
@@ -123,7 +123,9 @@ def main() -> None:
 
     # ---- data: every rank builds the same global batches and runs all of them (rank 0 of a world of 1).
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
+    batches = data.GlobalBatches(
+        train_set, args.batch_size, args.seed, pack_to=args.max_length if args.packing else None
+    )
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
 
     # ---- model: the whole bf16 base and the PEFT LoRA are built on every rank (the same seed, the same init),
@@ -131,6 +133,7 @@ def main() -> None:
     # is non-reentrant: backward recomputes each layer, and with it the layer's forward collectives.
     model = run.load_lora_model(args, dtype, device, len(tokenizer))
     run.seed_dropout(args.seed, stream=0)  # every rank holds the same tokens: the same masks on each
+    compiled = models.compile_layers(model, args.compile)  # --compile: each decoder layer, in place, before TP
     config = model.config
     token_bytes = config.hidden_size * dtype.itemsize  # a token's activation between blocks, for the comm theory
     # bf16 compute (autocast casts the fp32 adapter weights, DTensor shards included), fp32 master weights.
@@ -211,6 +214,7 @@ def main() -> None:
                 lengths=batches.lengths(step),  # real tokens of the global batch, all ranks: known on the host
                 seconds=timer.seconds,
                 activation_bytes=batches.padded_tokens(step, args.micro_batch_size) * token_bytes,
+                **batches.layout(step, args.micro_batch_size),  # micro-steps, the share of positions padded
                 **({"comm": step_comm} if sampled else {}),
             )
             if evals:
@@ -235,6 +239,7 @@ def main() -> None:
         last_step,
         predicted=metrics.predicted_memory(config, args, "tp", world_size=tp),
         note=metrics.memory_note(device),
+        compile=models.compile_report(compiled),
         # Theory: RowwiseParallel all-reduces the partial outputs of o_proj and down_proj (and of their lora_A) in
         # forward; every ColwiseParallel module all-reduces the gradient of its own replicated input in backward:
         # q, k, v, gate, up (and their lora_B), one each (`comm.tp_all_reduce_theory`).

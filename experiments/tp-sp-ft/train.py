@@ -281,7 +281,9 @@ def main() -> None:
 
     # ---- data: every rank builds the same global batches and runs all of them (rank 0 of a world of 1).
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
+    batches = data.GlobalBatches(
+        train_set, args.batch_size, args.seed, pack_to=args.max_length if args.packing else None
+    )
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
     eval_batches = [data.pad_to_multiple(mb, tp) for mb in eval_batches]  # as every training micro-batch, below
 
@@ -290,6 +292,13 @@ def main() -> None:
     # is non-reentrant: backward recomputes each layer, and with it the layer's forward collectives.
     model = run.load_lora_model(args, dtype, device, len(tokenizer))
     run.seed_dropout(args.seed, stream=0)  # every rank holds the same tokens: the same masks on each
+    compiled = models.compile_layers(  # --compile: the layers stay eager here, for this reason (printed, summarized)
+        model,
+        args.compile,
+        eager_because="tp-sp-ft's collectives are torch.distributed calls inside hand-rolled autograd Functions, "
+        "recorded on every step by ftkit.comm.recording (Python wrappers with a lock and completion callbacks), "
+        "which dynamo cannot put in a graph: the compiled layer would break at its first collective",
+    )
     config = model.config
     token_bytes = config.hidden_size * dtype.itemsize  # a token's activation between blocks, for the comm theory
     n_lora = models.parameter_counts(model)["trainable"]  # the whole adapter, for the FLOP count
@@ -357,6 +366,7 @@ def main() -> None:
                 seconds=timer.seconds,
                 comm=recorder.take(),
                 activation_bytes=batches.padded_tokens(step, args.micro_batch_size, multiple=tp) * token_bytes,
+                **batches.layout(step, args.micro_batch_size, multiple=tp),  # micro-steps, share of positions padded
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
                 sums = run.eval_loss_sums(model, eval_batches, device)  # the same on every rank
@@ -382,6 +392,7 @@ def main() -> None:
         last_step,
         predicted=metrics.predicted_memory(config, args, "tp-sp" if args.sequence_parallel else "tp", world_size=tp),
         note=metrics.memory_note(device),
+        compile=models.compile_report(compiled),
         sequence_parallel=args.sequence_parallel,
         replicated_lora_grad_bytes=comm.nbytes(replicated),
         theory_comm_by_kind_per_step=(
