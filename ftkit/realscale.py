@@ -193,6 +193,8 @@ def script_args(script, opts: argparse.Namespace) -> argparse.Namespace:
         argv.append("--no-grad-checkpointing")
     if opts.schedule is not None:
         argv += ["--schedule", opts.schedule]
+    if opts.technique == "pp":
+        argv.append("--no-packing")  # the padded layout pp-ft runs (it notes so, on stdout, when asked to pack)
     if opts.technique == "fsdp":
         if opts.quant == "nf4":
             argv.append("--qlora")  # the script refuses it, and says why

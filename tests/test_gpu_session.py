@@ -1,8 +1,8 @@
 """assets/gpu_session.sh, the GPU session's script, end to end on CPU with its --smoke stand-ins (the tiny model,
 gloo, 2 steps of 128 tokens): part a with two scripts (SCRIPTS=...; all seven world-1 runs would take minutes
-here), part b1 with two of its three configurations (CONFIGS=...; compiling on a CPU takes minutes), a second
-invocation (whose budget is spent) that must not touch the first's folder, the table over every part, and the GPU
-plan (--dry-run) under a stand-in nvidia-smi."""
+here), part b1 with one of its three configurations (CONFIGS=...: each costs a run, and compiling on a CPU
+minutes), a second invocation (whose budget is spent) that must not touch the first's folder, the table over every
+part, and the GPU plan (--dry-run) under a stand-in nvidia-smi."""
 
 from __future__ import annotations
 
@@ -57,7 +57,7 @@ def smoke(tmp_path_factory):
     # pp-ft first: it refuses a world of 1, and the next script runs all the same.
     a = session(tmp, "a", "--smoke", SCRIPTS="pp-ft single-gpu-ft")
     assert a.returncode == 0, a.stdout + a.stderr
-    b = session(tmp, "b1", SMOKE="1", CONFIGS="padded-eager packed-eager")
+    b = session(tmp, "b1", SMOKE="1", CONFIGS="packed-eager")
     assert b.returncode == 0, b.stdout + b.stderr
     first = digest(out / "a-world1-smoke-cpu")
     # The same part again, into the same --out, with its budget spent before its first run: a new folder, the run
@@ -113,17 +113,16 @@ def test_a_second_invocation_writes_a_new_folder(smoke):
 
 def test_part_b_copies_each_configuration_and_prints_the_table(smoke):
     part = smoke["out"] / "b1-lora-smoke-cpu"
-    assert list(runs_tsv(part)) == ["lora-padded-eager", "lora-packed-eager"]
-    for name in ("lora-padded-eager", "lora-packed-eager"):
+    assert list(runs_tsv(part)) == ["lora-packed-eager"]
+    for name in ("lora-packed-eager",):
         summary = json.loads((part / name / "summary.json").read_text())
         assert summary["status"] == "completed" and summary["config"]["quant"] == "none"
         assert summary["median_tokens_per_s"] > 0
         rows = [json.loads(line) for line in (part / name / "metrics.jsonl").read_text().splitlines()]
         assert len(rows) == 2
-    command = (part / "lora-padded-eager" / "command.txt").read_text()
-    assert "--no-packing --no-compile" in command and "--quant none" in command
+    command = (part / "lora-packed-eager" / "command.txt").read_text()
+    assert "--no-compile" in command and "--no-packing" not in command and "--quant none" in command
     for text in (smoke["b"].stdout, (part / "report.md").read_text()):
-        assert "| b1-lora-smoke-cpu | lora-padded-eager | ok |" in text
         assert "| b1-lora-smoke-cpu | lora-packed-eager | ok |" in text
         assert "median tok/s" in text and "tok/s steps 2..N" in text and "MFU" in text
 
@@ -145,7 +144,7 @@ def test_part_d_profiles_the_fastest_b_run(smoke):
         late = [r for r in rows if r["step"] >= 2]
         return sum(r["tokens"] for r in late) / sum(r["step_time_s"] for r in late)
 
-    fastest = max(("lora-padded-eager", "lora-packed-eager"), key=rate)
+    fastest = max(("lora-packed-eager",), key=rate)  # the one b run the fixture makes
     proc = session(smoke["tmp"], "d", "--smoke", "--dry-run")
     assert proc.returncode == 0, proc.stderr
     assert f"[d] profiling {fastest} (the fastest of the b parts" in proc.stdout

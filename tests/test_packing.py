@@ -103,18 +103,9 @@ def test_a_packed_row_computes_what_the_padded_rows_do_and_the_traps_do_not(tiny
     assert abs(masked - padded) > 1e-3 and abs(cached - padded) > 1e-3
 
 
-FLAGS = (
-    "--smoke",
-    "--max-steps",
-    "3",
-    "--max-length",
-    "512",
-    "--eval-every",
-    "3",
-    "--save-every",
-    "3",
-    "--no-progress",
-)
+# Two steps: the first a batch of long examples (one per row), the second of shorter ones that share rows.
+FLAGS = ("--smoke", "--max-steps", "2", "--max-length", "512", "--eval-every", "2", "--save-every", "2")
+FLAGS += ("--no-progress",)
 
 
 @pytest.fixture(scope="module")
