@@ -1079,6 +1079,21 @@ def finish(args: argparse.Namespace, run_dir: Path, summary: dict, finished: boo
 # ---------------------------------------------------------------------------------------------- eval
 
 
+def global_batches(args: argparse.Namespace, train_set: list):
+    """The run's global batches (`data.GlobalBatches`, a function of --seed and the step): packed into rows of
+    --max-length, or one padded example per row with --no-packing."""
+    from ftkit import data
+
+    return data.GlobalBatches(train_set, args.batch_size, args.seed, pack_to=args.max_length if args.packing else None)
+
+
+def padded_only(args: argparse.Namespace, why: str) -> None:
+    """A technique that cannot pack yet: it runs the padded layout, says why once, and records it (`padded_why`)."""
+    if args.packing:
+        args.packing, args.padded_why = False, why
+        print0(f"note: {why}")
+
+
 def eval_micro_batches(
     encoded: list,
     n_examples: int,

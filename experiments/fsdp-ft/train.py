@@ -188,9 +188,7 @@ def main() -> None:
     # Every rank builds the same global batches (a function of seed and step) and takes its own share of each.
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
     # Packed: rows of --max-length holding several examples each (--no-packing: one padded example per row).
-    batches = data.GlobalBatches(
-        train_set, args.batch_size, args.seed, pack_to=args.max_length if args.packing else None
-    )
+    batches = run.global_batches(args, train_set)
     # An evaluation forward all-gathers every unit, a collective: every rank must run as many micro-batches.
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, rank, world, even=True)
 

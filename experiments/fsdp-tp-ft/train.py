@@ -110,9 +110,7 @@ def main() -> None:
 
     # ---- data: every rank builds the same global batches; a TP group takes its FSDP index's share of each.
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    batches = data.GlobalBatches(
-        train_set, args.batch_size, args.seed, pack_to=args.max_length if args.packing else None
-    )
+    batches = run.global_batches(args, train_set)
     # Every FSDP forward is a collective: every TP group must run as many eval micro-batches.
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, dp_rank, dp, even=True)
 

@@ -77,9 +77,7 @@ def parse_args():
         if micro_given and args.micro_batch_size * args.microbatches != args.batch_size:
             raise run.RunError("--microbatches and --micro-batch-size disagree; give one of them")
         args.micro_batch_size = args.batch_size // args.microbatches
-    if args.packing:  # said once, here and in the summary
-        args.packing, args.padded_why = False, PADDED_WHY
-        run.print0(f"note: {PADDED_WHY}")
+    run.padded_only(args, PADDED_WHY)  # said once, here and in the summary
     return args
 
 

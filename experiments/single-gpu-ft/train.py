@@ -43,9 +43,7 @@ def main() -> None:
     # packed into rows of --max-length positions (several examples each; --no-packing: one padded example per row)
     splits = data.load_splits(args.data, args.data_revision)
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    batches = data.GlobalBatches(
-        train_set, args.batch_size, args.seed, pack_to=args.max_length if args.packing else None
-    )
+    batches = run.global_batches(args, train_set)
     accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
 

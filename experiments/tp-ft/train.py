@@ -123,9 +123,7 @@ def main() -> None:
 
     # ---- data: every rank builds the same global batches and runs all of them (rank 0 of a world of 1).
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    batches = data.GlobalBatches(
-        train_set, args.batch_size, args.seed, pack_to=args.max_length if args.packing else None
-    )
+    batches = run.global_batches(args, train_set)
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
 
     # ---- model: the whole bf16 base and the PEFT LoRA are built on every rank (the same seed, the same init),

@@ -30,6 +30,12 @@ COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output featur
 ROW = ("o_proj", "down_proj")  # input features split; each rank adds its partial sum into the reduction
 
 
+EAGER_BECAUSE = (
+    "tp-sp-ft's collectives are torch.distributed calls inside hand-rolled autograd Functions, recorded on every step "
+    "by ftkit.comm.recording (wrappers with a lock and callbacks), which dynamo cannot trace: a layer would break"
+)
+
+
 def parse_args():
     p = run.common_parser(__doc__.splitlines()[0], experiment="tp-sp-ft")
     g = p.add_argument_group("tensor parallel")
@@ -281,9 +287,7 @@ def main() -> None:
 
     # ---- data: every rank builds the same global batches and runs all of them (rank 0 of a world of 1).
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    batches = data.GlobalBatches(
-        train_set, args.batch_size, args.seed, pack_to=args.max_length if args.packing else None
-    )
+    batches = run.global_batches(args, train_set)
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
     eval_batches = [data.pad_to_multiple(mb, tp) for mb in eval_batches]  # as every training micro-batch, below
 
@@ -292,13 +296,7 @@ def main() -> None:
     # is non-reentrant: backward recomputes each layer, and with it the layer's forward collectives.
     model = run.load_lora_model(args, dtype, device, len(tokenizer))
     run.seed_dropout(args.seed, stream=0)  # every rank holds the same tokens: the same masks on each
-    compiled = models.compile_layers(  # --compile: the layers stay eager here, for this reason (printed, summarized)
-        model,
-        args.compile,
-        eager_because="tp-sp-ft's collectives are torch.distributed calls inside hand-rolled autograd Functions, "
-        "recorded on every step by ftkit.comm.recording (Python wrappers with a lock and completion callbacks), "
-        "which dynamo cannot put in a graph: the compiled layer would break at its first collective",
-    )
+    compiled = models.compile_layers(model, args.compile, eager_because=EAGER_BECAUSE)  # --compile: eager, said why
     config = model.config
     token_bytes = config.hidden_size * dtype.itemsize  # a token's activation between blocks, for the comm theory
     n_lora = models.parameter_counts(model)["trainable"]  # the whole adapter, for the FLOP count
