@@ -40,15 +40,23 @@ def main() -> dict:
     return result
 
 
+def table(result: dict) -> str:
+    """The devlog's table (devlogs/single-gpu-ft.md, "Packed batches")."""
+    lines = [
+        "| micro-batch | packed: micro-steps | packed: padding | padded: micro-steps | padded: padding |",
+        "|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        p, q = r["packed"], r["padded"]
+        lines.append(
+            f"| {r['micro_batch_size']} | {p['median_micro_steps']:g} | {p['median_padding_fraction']:.3f} "
+            f"| {q['median_micro_steps']:g} | {q['median_padding_fraction']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 if __name__ == "__main__":
     result = main()
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2) + "\n")
-    print("| micro-batch | packed: micro-steps | packed: padding | padded: micro-steps | padded: padding |")
-    print("|---|---|---|---|---|")
-    for r in result["rows"]:
-        p, q = r["packed"], r["padded"]
-        print(
-            f"| {r['micro_batch_size']} | {p['median_micro_steps']} | {p['median_padding_fraction']:.3f} "
-            f"| {q['median_micro_steps']} | {q['median_padding_fraction']:.3f} |"
-        )
+    print(table(result), end="")

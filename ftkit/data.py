@@ -33,6 +33,10 @@ MIN_TRANSCRIPT_TOKENS = 32
 SHIPPED = "qmsum-ami"
 SHIPPED_DIR = Path(__file__).parent / "qmsum-ami"
 MEETING_SUFFIXES = (".json", ".json.gz")
+# A packed micro-batch is as wide as its fullest row rounded up to a multiple of this (at most --max-length): the
+# last rows of a step are part-filled, and a fixed --max-length width made ~18% of the positions padding at the
+# reference configuration (devlogs/runs/data/packing-layout.json). A multiple of 64 keeps matmul shapes aligned.
+ROW_MULTIPLE = 64
 
 
 class DataError(ValueError):
@@ -352,10 +356,11 @@ class GlobalBatches:
     similar length (little padding) while the order stays random. The last partial batch of an epoch is
     dropped so every optimizer step sees exactly `batch_size` sequences.
 
-    `pack_to` (--max-length; None with --no-packing) lays each global batch out as packed rows of that many
-    positions, several examples per row (`pack`, `collate_packed`): the same examples and the same loss, far less
-    padding. A micro-batch is then `micro_batch_size` rows, and a step has as many micro-steps as its rows need.
-    Without it, a row is one example, right-padded to the micro-batch's longest.
+    `pack_to` (--max-length; None with --no-packing) lays each global batch out as packed rows of at most that many
+    positions, several examples per row (`pack`, `collate_packed`): the same examples and the same loss, fewer
+    micro-steps. A micro-batch is then `micro_batch_size` rows as wide as its fullest one (`packed_width`), and a
+    step has as many micro-steps as its rows need. Without it, a row is one example, right-padded to the
+    micro-batch's longest.
     """
 
     def __init__(
@@ -404,12 +409,13 @@ class GlobalBatches:
         rows, which `pack` fills longest first - so the ranks' micro-batches at one micro-step are alike and their
         union over ranks and micro-steps is the global batch. Packed, every rank runs the same number of micro-steps
         (a collective in each, for DDP and FSDP), the last ones topped up with empty rows, and every micro-batch is
-        [m, pack_to]: one shape for the whole run, which a compiled layer needs."""
+        [m, width], width its fullest row's rounded up (`packed_width`): the rows' count fixed for the whole run,
+        their width a multiple of ROW_MULTIPLE (the compiled layers take it as a dynamic size)."""
         if self.pack_to is None:
             rows = self._micro_rows(step, micro_batch_size, rank, world)
             return [collate([self.data[i] for [i] in mb]) for mb in rows]
         return [
-            collate_packed([[self.data[i] for i in row] for row in rows], self.pack_to)
+            collate_packed([[self.data[i] for i in row] for row in rows], self._width(rows))
             for rows in self._micro_rows(step, micro_batch_size, rank, world)
         ]
 
@@ -440,14 +446,16 @@ class GlobalBatches:
 
     def padded_tokens(self, step: int, micro_batch_size: int, rank: int = 0, world: int = 1, multiple: int = 1) -> int:
         """Positions, padding included, of this rank's micro-batches of step `step` as `micro_batches` collates them
-        (padded: each right-padded to its longest row, then to a multiple of `multiple`, `pad_to_multiple`; packed:
-        m rows of pack_to): the [micro, seq] extent of the step's activations, known on the host."""
+        (each right-padded to its longest row, packed to `packed_width`, then to a multiple of `multiple`,
+        `pad_to_multiple`): the [micro, seq] extent of the step's activations, known on the host."""
         micro_rows = self._micro_rows(step, micro_batch_size, rank, world)
-        if self.pack_to is not None:
-            return len(micro_rows) * micro_batch_size * -(-self.pack_to // multiple) * multiple
-        return sum(
-            len(mb) * -(-max(len(self.data[i].input_ids) for [i] in mb) // multiple) * multiple for mb in micro_rows
-        )
+        return sum(len(mb) * -(-self._width(mb) // multiple) * multiple for mb in micro_rows)
+
+    def _width(self, rows: Sequence[Sequence[int]]) -> int:
+        """The positions of a micro-batch of `rows` (examples per row) as collated: padded, its longest example;
+        packed, `packed_width` of its rows' real tokens."""
+        fills = [sum(len(self.data[i].input_ids) for i in row) for row in rows]
+        return max(fills) if self.pack_to is None else packed_width(fills, self.pack_to)
 
     def _micro_rows(self, step: int, m: int, rank: int, world: int) -> list[list[list[int]]]:
         """Rows (examples per row) of this rank's micro-steps; packed, topped up to m rows with empty ones."""
@@ -488,6 +496,12 @@ def pack(indices: Sequence[int], lengths: Sequence[int], capacity: int) -> list[
         rows[row].append(i)
         free[row] -= lengths[i]
     return rows
+
+
+def packed_width(fills: Sequence[int], pack_to: int) -> int:
+    """The width of a packed micro-batch whose rows hold `fills` real tokens: the fullest rounded up to a multiple of
+    ROW_MULTIPLE, at most `pack_to` (a row never holds more), at least ROW_MULTIPLE (a micro-batch of empty rows)."""
+    return min(pack_to, max(1, -(-max(fills) // ROW_MULTIPLE)) * ROW_MULTIPLE)
 
 
 def collate_packed(rows: Sequence[Sequence[Encoded]], width: int, pad_id: int = 0) -> dict:

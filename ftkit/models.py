@@ -530,8 +530,13 @@ def compile_layers(model, enabled: bool, eager_because: str | None = None) -> di
     hooks run outside the compiled code); only its `__call__` runs compiled (`nn.Module.compile`). All the layers
     run the same code on tensors of the same shapes, and their weights are the compiled function's inputs, not
     constants, so dynamo traces one layer once and every other layer reuses that graph: one compile for 36 layers.
-    Packed micro-batches are one shape for the whole run ([--micro-batch-size, --max-length]), so the graph is
-    never recompiled; `fullgraph=True` makes a graph break an error at the first step instead of a silent slowdown.
+    Micro-batches change width from one to the next (packed rows are as wide as the fullest, `data.packed_width`;
+    padded ones as the longest example), so every call marks the sequence's dimensions dynamic
+    (`mark_sequence_dynamic`): one graph whose kernels take the width as an argument, never recompiled for a new
+    one (a static graph would recompile at the second width, and dynamo's automatic dynamic would then compile a
+    second, dynamic graph). Only those sizes: `dynamic=True` would also turn the layer's Python floats (LoRA's
+    scaling, the norms' eps) into tensor inputs, 11 per layer call.
+    `fullgraph=True` makes a graph break an error at the first step instead of a silent slowdown.
     transformers' non-reentrant activation checkpointing is inside the layer's forward, so it is compiled too
     (dynamo's `tag_activation_checkpoint`: the backward graph recomputes the layer's forward).
 
@@ -567,15 +572,35 @@ class _CompiledWhenTraining:
         from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
 
         if self.layer.training and torch.is_grad_enabled() and not any_torch_dispatch_mode_on_stack():
+            mark_sequence_dynamic(args, kwargs)
             return self.compiled(*args, **kwargs)
         return self.layer._call_impl(*args, **kwargs)
+
+
+def mark_sequence_dynamic(args: tuple, kwargs: dict) -> None:
+    """Mark, in a decoder layer's call, every dimension (past the batch's) as long as the sequence dynamic: the
+    hidden states' [rows, width, hidden], RoPE's cos and sin [rows, width, head_dim], the position ids, a mask's
+    [rows, 1, width, width]. A size that only happens to equal the width is made dynamic too, which the graph
+    computes just as well. `maybe_`: a size the graph needs static stays static (a recompile, which the run's
+    summary would report) instead of an error."""
+    hidden = args[0] if args else kwargs["hidden_states"]
+    width = hidden.shape[1]
+    stack = [*args, *kwargs.values()]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, (tuple, list)):
+            stack.extend(value)
+        elif isinstance(value, torch.Tensor):
+            for dim in range(1, value.dim()):
+                if value.shape[dim] == width:
+                    torch._dynamo.maybe_mark_dynamic(value, dim)
 
 
 def compile_report(compiled: dict | None) -> dict | None:
     """The summary's `compile`: None without --compile; {"eager": why} where the technique runs eager; else the
     backend, the layers compiled and dynamo's own counts for this process (rank 0's in a distributed run):
-    `graphs` compiled, `graph_breaks` (0: the layer is one graph) and `recompiles` (0: one shape all run), with the
-    reasons dynamo gave for any recompile."""
+    `graphs` compiled, `graph_breaks` (0: the layer is one graph) and `recompiles` (0: one graph all run, whatever
+    the widths), with the reasons dynamo gave for any recompile."""
     if compiled is None or "eager" in compiled:
         return compiled
     from torch._dynamo.utils import counters, get_compilation_metrics

@@ -280,8 +280,9 @@ HOSTS = {
 # The layouts: "full", every row --max-length real tokens (the planner's upper bound before issue 30); "padded", the
 # AMI training examples (AMI_LENGTHS) in the scripts' length-grouped global batches, one example per row, each
 # micro-batch right-padded to its longest (--no-packing); "packed", the same global batches packed into rows of
-# --max-length (data.pack, first-fit decreasing), --micro-batch-size rows per micro-batch, each rank the same number
-# of micro-steps; "masked", "padded" as the scripts ran it until issue 30, the padding mask passed (the H100 runs).
+# at most --max-length (data.pack, first-fit decreasing), --micro-batch-size rows per micro-batch as wide as the
+# fullest (data.packed_width), each rank the same number of micro-steps; "masked", "padded" as the scripts ran it
+# until issue 30, the padding mask passed (the H100 runs).
 LAYOUTS = ("full", "padded", "packed", "masked")
 # The AMI training examples' token counts (the tiny tokenizer the qwen3-4b-shape runs use; Qwen3's own is not
 # available offline): written by `write_ami_lengths`, the rest of a prompt and its transcript apart, so that the
@@ -370,9 +371,16 @@ def layout_steps(s: Setting, dp: int) -> list[Step]:
         rows = batches.rows(step)  # longest first; packed, data.pack's rows
         per_rank = batches.micro_steps(step, m, dp)
         parts = [rows[j * dp * m : (j * dp + 1) * m] for j in range(per_rank)]  # rank 0's
-        if pack_to:
-            micros = tuple(Micro(m, length, m * max(sum(examples[i][1] for i in row) for row in p)) for p in parts)
-            positions = per_rank * dp * m * length
+        if pack_to:  # each micro-batch as wide as its fullest row, rounded up (data.packed_width)
+            micros = tuple(
+                Micro(
+                    m,
+                    data.packed_width([sum(lengths[i] for i in row) for row in p], length),
+                    m * max(sum(examples[i][1] for i in row) for row in p),
+                )
+                for p in parts
+            )
+            positions = sum(batches.padded_tokens(step, m, r, dp) for r in range(dp))
         else:
             micros = tuple(Micro(m, lengths[p[0][0]], m * max(examples[i][1] for [i] in p)) for p in parts)
             positions = sum(m * lengths[rows[k * m][0]] for k in range(per_rank * dp))
@@ -489,6 +497,8 @@ def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> di
         **out,
         "host_s": statistics.median(p["host_s"] for p in steps),
         "host_ops_per_micro_batch": steps[0]["host_ops_per_micro_batch"],
+        # the host's work per unit of real data: ops dispatched (eager) or launched (compiled), all ranks
+        "host_ops_per_1000_tokens": 1000 * sum(p["host_ops"] for p in steps) / sum(p["tokens"] for p in steps),
         "micro_batches": statistics.median(len(p["micros"]) for p in steps),
         "padding_fraction": 1 - sum(p["tokens"] for p in steps) / positions,
         "bound": "host" if out["step_time_s"] > 1.0001 * statistics.median(p["gpu_side_s"] for p in steps) else "GPU",
@@ -600,6 +610,7 @@ def step_time(s: Setting, technique: str, mesh: dict[str, int], quant: str, step
         "compute_s": compute,
         "host_s": host_micro * accum + step_ops * op_s,
         "host_ops_per_micro_batch": ops,
+        "host_ops": (ops * accum + step_ops) * dp * tp * pp,  # every rank's, this step
         "gpu_side_s": compute + exposed + bubble,
         "exposed_comm_s": exposed,
         "bubble_s": bubble,
@@ -700,9 +711,9 @@ def prediction_notes(s: Setting, rows: list[dict]) -> list[str]:
         "padded": "the AMI training examples (AMI_LENGTHS: the tiny tokenizer's counts) in the scripts' "
         f"length-grouped global batches (seed {s.seed}), one example per row, each micro-batch right-padded to its "
         "longest (--no-packing)",
-        "packed": f"the same global batches packed first-fit decreasing into rows of {s.max_length} (data.pack), "
-        f"{s.micro_batch_size} rows a micro-batch, every rank the same micro-steps; the attention kernel computes "
-        "each whole row (SDPA with the block-diagonal mask)",
+        "packed": f"the same global batches packed first-fit decreasing into rows of up to {s.max_length} (data.pack), "
+        f"{s.micro_batch_size} rows a micro-batch as wide as the fullest (data.packed_width), every rank the same "
+        "micro-steps; the attention kernel computes each whole row (SDPA with the block-diagonal mask)",
         "masked": "padded as the scripts ran it until issue 30, the padding mask passed (the committed H100 runs)",
     }[s.layout]
     notes.append(f"layout: {layout}" + (f"; step time: the median of {steps} steps" if s.layout != "full" else ""))
@@ -804,8 +815,9 @@ def main(argv: list[str] | None = None) -> dict:
         choices=LAYOUTS,
         default="full",
         help="full: every row --max-length real tokens (the GPU-only model's upper bound); padded: the AMI training "
-        "examples one per row, right-padded per micro-batch (--no-packing); packed: packed into rows of --max-length "
-        "(the scripts' default); masked: padded with the padding mask passed (the committed H100 runs)",
+        "examples one per row, right-padded per micro-batch (--no-packing); packed: packed into rows of up to "
+        "--max-length, each micro-batch as wide as its fullest row (the scripts' default); masked: padded with the "
+        "padding mask passed (the committed H100 runs)",
     )
     p.add_argument("--compile", action="store_true", help="the decoder layers compiled (the host's count a prediction)")
     p.add_argument(
@@ -821,7 +833,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.compile and args.layout in ("padded", "masked"):
-        p.error("--compile needs one shape per micro-batch: --layout packed or full (padded widths vary)")
+        p.error(
+            "--compile: assets/host_ops.py counts the compiled layers' launches on packed rows: --layout packed or full"
+        )
     if args.compile and args.host and not args.grad_checkpointing:
         p.error("--compile --host: the compiled layers' launches are counted with checkpointing on only")
     if args.gpus < 1 or args.nodes < 1 or args.gpus % args.nodes:

@@ -156,7 +156,7 @@ def common_parser(description: str, experiment: str) -> argparse.ArgumentParser:
         "--micro-batch-size",
         type=int,
         default=None,
-        help="rows per rank per forward: packed rows of --max-length positions (several sequences each), or with "
+        help="rows per rank per forward: packed rows of up to --max-length positions (several sequences each), or with "
         "--no-packing one padded sequence per row, accumulation = batch / (micro x data-parallel ranks) [2; smoke: 2]",
     )
     g.add_argument(

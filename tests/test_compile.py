@@ -20,6 +20,7 @@ import parity
 import pytest
 import test_ddp
 import test_fsdp
+import test_packing
 import torch
 from conftest import run_script
 
@@ -43,10 +44,28 @@ def assert_same_step(run_dir, ref) -> None:
     assert adapter <= parity.ADAPTER_TOL
 
 
-def test_single_gpu_compiled_by_inductor_takes_the_eager_step(tmp_path_factory, data_dir):
-    """bf16-LoRA's reference script (--quant none), its layers compiled by inductor (C++ kernels on CPU): per-step
-    losses within 1e-5 of eager, one graph for the 4 layers, compiled at the first step and never again."""
-    flags = test_fsdp.flags(data_dir, 8)
+def widths(data_dir, flags) -> set[int]:
+    """The widths of the training micro-batches a run with these flags computes, laid out as the scripts lay them
+    out (`run.global_batches`): packed rows as wide as each micro-batch's fullest (`data.packed_width`)."""
+    from ftkit import data
+
+    parser = run.common_parser("single-gpu-ft", experiment="single-gpu-ft")
+    args = run.resolve(parser.parse_args(["--data", str(data_dir), *flags]))
+    _, train_set, _, _ = run.encode_data(args, data.load_splits(args.data))
+    batches = run.global_batches(args, train_set)
+    return {
+        mb["input_ids"].shape[1]
+        for step in range(args.max_steps)
+        for mb in batches.micro_batches(step, args.micro_batch_size)
+    }
+
+
+def test_single_gpu_compiled_by_inductor_takes_the_eager_step(tmp_path_factory, short_data_dir):
+    """bf16-LoRA's reference script (--quant none), its layers compiled by inductor (C++ kernels on CPU), on
+    micro-batches of several widths (packed short examples): per-step losses within 1e-5 of eager, one graph for
+    the 4 layers, compiled at the first step and never again (the width a dynamic size)."""
+    flags = ("--data", str(short_data_dir), *test_packing.FLAGS)
+    assert len(widths(short_data_dir, test_packing.FLAGS)) >= 2  # the graph must serve several widths
     out = tmp_path_factory.mktemp("compile") / "single"
     start = time.monotonic()
     proc = run_script(
@@ -68,14 +87,17 @@ def test_single_gpu_compiled_by_inductor_takes_the_eager_step(tmp_path_factory, 
     ],
     ids=["ddp", "fsdp"],
 )
-def test_distributed_compiled_layers_take_the_eager_step(tmp_path_factory, data_dir, script, flags, quant):
+def test_distributed_compiled_layers_take_the_eager_step(
+    tmp_path_factory, data_dir, short_data_dir, script, flags, quant
+):
     """DDP (its gradient hooks fire from the compiled backward) and FSDP2 (its all-gather and reduce-scatter hooks
     run outside the compiled layer) on 2 ranks, layers compiled: the reference's losses and adapter, one graph."""
+    flags = flags(data_dir, 8)
     out = tmp_path_factory.mktemp("compile") / script.split("/")[1]
-    launch = parity.torchrun(script, *flags(data_dir, 8), "--compile", "--output-dir", str(out), env=AOT_EAGER)
+    launch = parity.torchrun(script, *flags, "--compile", "--output-dir", str(out), env=AOT_EAGER)
     assert launch.returncode == 0, launch.report()
     print(f"compiled run: {launch.seconds:.1f} s")
-    assert_same_step(out, parity.reference(tmp_path_factory.mktemp("ref"), *flags(data_dir, 8), quant=quant))
+    assert_same_step(out, parity.reference(tmp_path_factory.mktemp("ref"), *flags, quant=quant))
     assert compiled_counts(out) == ONE_GRAPH
 
 
@@ -149,8 +171,13 @@ def test_compiled_layers_keep_activation_checkpointing(monkeypatch):
     model.train()
     with FlopCounterMode(display=False):
         models.answer_logits(model, mb).sum().backward()
+    # Another width (the next micro-batch's fullest row): the same graph, the width a dynamic size.
+    narrower = {k: v[:, :96] for k, v in mb.items() if k != "logit_positions"} | {
+        "logit_positions": mb["logit_positions"]
+    }
+    models.answer_logits(model, narrower).sum().backward()
     report = models.compile_report({"backend": "aot_eager", "layers": 4})
-    assert (report["graphs"], report["graph_breaks"], report["recompiles"]) == (1, 0, 0)
+    assert (report["graphs"], report["graph_breaks"], report["recompiles"]) == (1, 0, 0), report
     torch._dynamo.reset()
 
 

@@ -37,6 +37,32 @@ def test_pack_fills_rows_first_fit_decreasing_and_keeps_every_example_once():
         data.pack([0], [513], capacity=512)
 
 
+def test_the_committed_layout_table_is_the_shipped_datas_and_meets_the_padding_bar():
+    """assets/packing_layout.py on the shipped data (the host-side layout, no model) gives the committed JSON and the
+    single-GPU devlog's table; at the reference micro-batch (2) the packed layout pads at most 5% of its positions
+    (issue 30's bar: micro-batches as wide as their fullest row, `packed_width`) in half the padded micro-steps."""
+    import json
+    import runpy
+
+    from conftest import ROOT
+
+    module = runpy.run_path(str(ROOT / "assets" / "packing_layout.py"))
+    result = module["main"]()
+    assert json.loads(module["OUT"].read_text()) == result
+    assert module["table"](result) in (ROOT / "devlogs" / "single-gpu-ft.md").read_text()
+    reference = next(r for r in result["rows"] if r["micro_batch_size"] == 2)
+    assert reference["packed"]["median_padding_fraction"] <= 0.05
+    assert reference["packed"]["median_micro_steps"] * 2 <= reference["padded"]["median_micro_steps"]
+
+
+def test_a_packed_micro_batch_is_as_wide_as_its_fullest_row_rounded_up():
+    assert data.packed_width([100, 700], 2048) == 704 and data.packed_width([704], 2048) == 704
+    assert data.packed_width([2000], 2048) == 2048 and data.packed_width([500], 512) == 512
+    assert data.packed_width([0, 0], 2048) == data.ROW_MULTIPLE  # a rank's micro-step of empty rows
+    a, b = example(30, 10, 0), example(20, 5, 7)
+    assert data.collate_packed([[a, b], [b]], data.packed_width([65, 25], 256))["input_ids"].shape == (2, 128)
+
+
 def test_packed_rows_restart_positions_and_keep_each_examples_targets_to_itself():
     a, b = example(3, 2, 0), example(2, 3, 50)  # 5 tokens each
     mb = data.collate_packed([[a, b], []], width=12)
@@ -58,14 +84,19 @@ def test_packed_micro_batches_cover_the_global_batch_with_as_many_micro_steps_on
     for step in range(3):
         shards = [batches.micro_batches(step, micro, rank=r, world=world) for r in range(world)]
         assert len({len(s) for s in shards}) == 1 == len({batches.micro_steps(step, micro, world)} | {len(shards[0])})
-        assert all(mb["input_ids"].shape == (micro, 256) for s in shards for mb in s)  # one shape for the run
+        for mb in (mb for s in shards for mb in s):  # micro rows, as wide as the fullest rounded up to 64
+            fullest = max(sum(length for length in mb["lengths"]), 1) if micro == 1 else None
+            width = mb["input_ids"].shape[1]
+            assert mb["input_ids"].shape[0] == micro and width % data.ROW_MULTIPLE == 0 and width <= 256
+            assert fullest is None or width - data.ROW_MULTIPLE < fullest <= width
         n_target = sum(int((mb["targets"] != IGNORE).sum()) for s in shards for mb in s)
         assert n_target == batches.n_target(step)
         assert sorted(n for s in shards for mb in s for n in mb["lengths"]) == sorted(batches.lengths(step))
         assert batches.micro_steps(step, micro, world) < data.accumulation_steps(16, micro, world)
         layout = batches.layout(step, micro, 0, world)
         real = sum(n for mb in shards[0] for n in mb["lengths"])
-        assert layout["padding_fraction"] == pytest.approx(1 - real / (len(shards[0]) * micro * 256))
+        positions = sum(mb["input_ids"].numel() for mb in shards[0])
+        assert layout["padding_fraction"] == pytest.approx(1 - real / positions)
 
 
 @pytest.fixture(scope="module")

@@ -359,13 +359,17 @@ def test_packed_and_compiled_steps_are_predicted_faster_and_say_what_they_assume
         assert p["bound"] == k["bound"] == "host"
         assert c["micro_batches"] == k["micro_batches"] < p["micro_batches"] == 8
         assert c["host_ops_per_micro_batch"] * 8 < k["host_ops_per_micro_batch"]  # 6,256 against 54,208 (bf16)
+        # issue 30's bar: the host's work per 1,000 real tokens, packed compiled at least 10x below padded eager
+        assert c["host_ops_per_1000_tokens"] * 10 <= p["host_ops_per_1000_tokens"], quant
+        assert c["host_ops_per_1000_tokens"] < k["host_ops_per_1000_tokens"] < p["host_ops_per_1000_tokens"]
+        assert c["padding_fraction"] <= 0.05  # rows as wide as their micro-batch's fullest (data.packed_width)
     for result in (padded, packed, compiled):
         assert result["prediction"][0] == "PREDICTED by ftkit.plan: a model, not a measurement"
     plan.main(["--gpus", "1", "--host", "h100-vm", "--layout", "packed", "--compile"])
     out = capsys.readouterr().out
     for said in (
         "PREDICTED by ftkit.plan: a model, not a measurement",
-        "layout: the same global batches packed first-fit decreasing into rows of 2048",
+        "layout: the same global batches packed first-fit decreasing into rows of up to 2048",
         "the decoder layers compiled",
         "a prediction",
         "us per op (calibrated: the committed H100 runs' host",
@@ -378,7 +382,7 @@ def test_packed_and_compiled_steps_are_predicted_faster_and_say_what_they_assume
 def test_compile_needs_one_shape_per_micro_batch(capsys):
     with pytest.raises(SystemExit):
         plan.main(["--gpus", "1", "--layout", "padded", "--compile"])
-    assert "--compile needs one shape per micro-batch" in capsys.readouterr().err
+    assert "counts the compiled layers' launches on packed rows" in capsys.readouterr().err
 
 
 def test_without_a_host_the_planner_is_the_gpu_only_model_it_was():
@@ -388,6 +392,22 @@ def test_without_a_host_the_planner_is_the_gpu_only_model_it_was():
     assert "prediction" not in result and result["assumptions"]["mfu"] == 0.4
     assert all("host_s" not in r for r in result["techniques"])
     assert plan.main(["--gpus", "2", "--json", "--mfu", "0.4"])["techniques"] == result["techniques"]
+
+
+def test_the_single_gpu_devlog_states_the_planners_host_work_per_1000_tokens(capsys):
+    """devlogs/single-gpu-ft.md's table of the host's work per 1,000 real tokens (ops dispatched eager, kernels and
+    ops launched compiled) at the reference configuration on the H100's host: the planner's numbers."""
+    devlog = (ROOT / "devlogs" / "single-gpu-ft.md").read_text()
+    base = ["--gpus", "1", "--host", "h100-vm", "--json"]
+    for name, flags in (
+        ("padded, eager", ["--layout", "padded"]),
+        ("packed, eager", ["--layout", "packed"]),
+        ("packed, compiled", ["--layout", "packed", "--compile"]),
+    ):
+        result = plan.main([*base, *flags])
+        per = [f"{row(result, 'single-gpu-ft', quant=q)['host_ops_per_1000_tokens']:,.0f}" for q in ("none", "nf4")]
+        assert re.search(rf"^\| {name}[^|]* \| {per[0]} \| {per[1]} \|$", devlog, re.M), (name, per)
+    capsys.readouterr()
 
 
 def test_the_devlogs_host_tables_are_what_the_planner_gives():

@@ -10,6 +10,7 @@ import runpy
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import parity
 import pytest
@@ -104,21 +105,41 @@ def readme_walkthrough_commands() -> dict[str, list[str]]:
 WALK_STEPS = 2
 
 
+@dataclass
+class Walked:
+    returncode: int
+    stdout: str  # the script's (rank 0's, under torchrun)
+    stderr: str
+
+
+def walk(words: list[str], out) -> Walked:
+    """Run one walkthrough command with --output-dir and --stop-after added. `uv run python script FLAGS` runs
+    verbatim, through uv. `uv run torchrun --nproc_per_node=N script FLAGS` runs the same torchrun
+    (torch.distributed.run) on the same script and flags, launched from the suite's fork server: torch is imported
+    there once, not in N + 1 new interpreters per command (~10 s each on 2 cores). Any other torchrun option would
+    be dropped by that, so the command may have no other."""
+    extra = ["--output-dir", str(out), "--stop-after", str(WALK_STEPS)]
+    at = next(i for i, w in enumerate(words) if re.fullmatch(r"experiments/[\w-]+/train\.py", w))
+    if "torchrun" not in words:
+        argv = [shutil.which("uv") if w == "uv" else w for w in words] + extra
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        print(f"$ {' '.join(argv)}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
+        return Walked(proc.returncode, proc.stdout, proc.stderr)
+    launcher = words[:at]
+    assert launcher[:3] == ["uv", "run", "torchrun"] and len(launcher) == 4, launcher
+    nproc = int(re.fullmatch(r"--nproc_per_node=(\d+)", launcher[3]).group(1))
+    launch = parity.torchrun(words[at], *words[at + 1 :], *extra, nproc=nproc)
+    print(launch.report()[-5000:])
+    return Walked(launch.returncode, launch.ranks.get(0, {}).get("stdout", ""), launch.report())
+
+
 @pytest.fixture(scope="module")
-def walkthroughs(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, object]]:
-    uv = shutil.which("uv")
-    assert uv, "the README's commands start with `uv run`: install uv (pip install uv) to run these tests"
+def walkthroughs(tmp_path_factory) -> dict[str, tuple[Walked, object]]:
+    assert shutil.which("uv"), "the README's commands start with `uv run`: install uv (pip install uv) to run them"
     commands = readme_walkthrough_commands()
     assert set(commands) == set(EXPERIMENTS), commands
     base = tmp_path_factory.mktemp("walkthrough")
-    done = {}
-    for name, words in commands.items():
-        out = base / name
-        argv = [uv if w == "uv" else w for w in words] + ["--output-dir", str(out), "--stop-after", str(WALK_STEPS)]
-        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=300)
-        print(f"$ {' '.join(argv)}\n{proc.stdout[-2000:]}\n{proc.stderr[-3000:]}")
-        done[name] = (proc, out)
-    return done
+    return {name: (walk(words, base / name), base / name) for name, words in commands.items()}
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)

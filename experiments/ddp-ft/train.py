@@ -111,7 +111,7 @@ def main() -> None:
     # ---- data: AMI examples in Qwen3's chat format, loss only on the answer, length-grouped global batches.
     # Every rank builds the same global batches (a function of seed and step) and takes its own share of each.
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    # Packed: rows of --max-length holding several examples each (--no-packing: one padded example per row).
+    # Packed: rows of up to --max-length holding several examples each (--no-packing: one padded example per row).
     batches = run.global_batches(args, train_set)
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, rank, world)
 

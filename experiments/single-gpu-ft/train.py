@@ -40,7 +40,7 @@ def main() -> None:
     models.fetch(args.model)  # the model's files (a download on a first run), or one clear line if it cannot be had
 
     # ---- data: AMI examples in Qwen3's chat format, loss only on the answer, length-grouped global batches,
-    # packed into rows of --max-length positions (several examples each; --no-packing: one padded example per row)
+    # packed into rows of up to --max-length positions (several examples each; --no-packing: one padded example per row)
     splits = data.load_splits(args.data, args.data_revision)
     tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
     batches = run.global_batches(args, train_set)
