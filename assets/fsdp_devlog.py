@@ -5,7 +5,8 @@
 reads every `devlogs/runs/fsdp-ft/<run>/{summary.json,metrics.jsonl}` and rewrites the part of
 `devlogs/fsdp-ft.md` between `<!-- fsdp:begin -->` and `<!-- fsdp:end -->`: per run, what each rank holds, what
 FSDP2 sent per step (measured, and what theory says), the loss against the single-process reference, and the
-symptoms of the silent failures (adapter updates rounded away, KV-cache bytes). Numbers are never typed by hand.
+symptoms of the silent failures (adapter updates rounded away, KV-cache bytes). A QLoRA run (--quant nf4) is
+compared with the QLoRA reference. Numbers are never typed by hand.
 """
 
 from __future__ import annotations
@@ -29,17 +30,22 @@ def per_step(summary: dict, kind: str, key: str) -> str:
     return f"{entry[key] / summary['steps_run']:,.0f}" if entry else "-"
 
 
+def reference(summary: dict) -> list[dict] | None:
+    """The single-process run with the same flags: the QLoRA one (`-qlora`) for a --quant nf4 run."""
+    run = RUNS / (REFERENCE + ("-qlora" if summary["config"].get("quant") == "nf4" else ""))
+    return rows(run) if run.is_dir() else None
+
+
 def table() -> str:
-    ref = rows(RUNS / REFERENCE) if (RUNS / REFERENCE).is_dir() else None
     lines = [
         "| run | units | param shard bytes/rank | largest unit bytes | all-gather bytes/step (theory) "
         "| all-gathers/step | reduce-scatter bytes/step (theory) | max \\|loss - reference\\| "
         "| adapter updates lost (mean) | KV-cache bytes |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for run in sorted(p for p in RUNS.iterdir() if (p / "summary.json").exists() and p.name != REFERENCE):
+    for run in sorted(p for p in RUNS.iterdir() if (p / "summary.json").exists() and REFERENCE not in p.name):
         s = json.loads((run / "summary.json").read_text())
-        metrics = rows(run)
+        metrics, ref = rows(run), reference(s)
         diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(metrics, ref)) if ref else None
         lost = [r["lost_update_fraction"] for r in metrics if r["lr"] > 0 and "lost_update_fraction" in r]
         lines.append(

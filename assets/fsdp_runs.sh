@@ -31,7 +31,7 @@ measure() {  # measure NAME FLAGS...
     copy_run "$dir" "devlogs/runs/fsdp-ft/$name"
 }
 
-reference() {  # reference NAME FLAGS...: the single-process LoRA script (--quant none) with the same flags
+reference() {  # reference NAME FLAGS...: the single-process script with the same flags (--quant none unless given)
     local name=$1
     shift
     local dir=runs/devlog/fsdp-ft/$name-$STAMP
@@ -57,7 +57,7 @@ fails() {  # fails NAME FLAGS...: a configuration expected to stop with an error
 }
 
 # The CPU walkthrough model (--smoke: tiny Qwen3, fp32, LoRA rank 16; 8 sequences per step, micro-batch 2: 2
-# accumulation steps on 2 processes), cut to 8 steps of <= 256 tokens so that the 12 runs fit a shared 2-core
+# accumulation steps on 2 processes), cut to 8 steps of <= 256 tokens so that the 14 runs fit a shared 2-core
 # machine; then each FSDP option and each silent failure. Bytes, shards and loss differences do not depend on
 # the length of the run.
 SMOKE=(--smoke --max-steps 8 --max-length 256 --eval-every 4 --save-every 4 --eval-examples 8)
@@ -75,7 +75,10 @@ measure cpu-smoke-2proc-bf16-base "${SMOKE[@]}" --dtype bf16
 measure cpu-smoke-2proc-bf16-base-adapters-in-base-dtype "${SMOKE[@]}" --dtype bf16 --adapters-in-base-dtype
 measure cpu-smoke-2proc-use-cache "${SMOKE[@]}" --use-cache
 measure cpu-smoke-2proc-use-cache-no-checkpointing "${SMOKE[@]}" --use-cache --no-grad-checkpointing
-fails qlora --smoke --qlora
+# QLoRA: the 4-bit base sharded as bytes, against the single-process QLoRA reference; offloading it is refused.
+reference cpu-smoke-reference-qlora "${SMOKE[@]}" --quant nf4
+measure cpu-smoke-2proc-qlora "${SMOKE[@]}" --quant nf4
+fails qlora-cpu-offload --smoke --quant nf4 --cpu-offload
 if [ "${GPU:-0}" = 1 ]; then
     G=(--model qwen3-4b-shape --max-steps 20 --eval-every 1000 --save-every 1000)
     measure gpu-4b-shape-2gpu "${G[@]}"

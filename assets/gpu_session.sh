@@ -11,8 +11,10 @@
 #   a    every experiments/*/train.py at world 1 under `torchrun --nproc_per_node=1`, CUDA + NCCL, 3 steps each
 #        (the NCCL code paths, crash or not: exit code and the end of stderr recorded, the next script runs
 #        anyway); each script at most A_CMD_TIMEOUT_S (360 s), in the order ddp-ft fsdp-ft tp-ft tp-sp-ft
-#        fsdp-tp-ft pp-ft single-gpu-ft (the last has no collective). fsdp-tp-ft gets --mesh-shape 1,1; pp-ft
-#        refuses a world of 1 (recorded as "refused"). SCRIPTS="tp-ft pp-ft" runs some of them, in that order.
+#        fsdp-tp-ft pp-ft single-gpu-ft (the last has no collective), then fsdp-ft-nf4 (fsdp-ft --quant nf4,
+#        whose per-step losses are compared with single-gpu-ft's QLoRA: fsdp-ft-nf4-vs-single-gpu-ft.txt).
+#        fsdp-tp-ft gets --mesh-shape 1,1; pp-ft refuses a world of 1 (recorded as "refused").
+#        SCRIPTS="tp-ft pp-ft" runs some of them, in that order.
 #   b1   single-gpu-ft, bf16 LoRA (--quant none), 20 steps each: packed + compiled (the default), padded eager
 #        (--no-packing --no-compile, the layout before packing), packed eager (--no-compile)
 #   b2   the same three with QLoRA (--quant nf4)        (b = b1 then b2; CONFIGS="padded-eager" runs some)
@@ -104,7 +106,7 @@ SESSION_BUDGET_S=${SESSION_BUDGET_S:-1500}
 RESERVE_S=${RESERVE_S:-15} # kept back from each part's budget for the copies and the report
 A_CMD_TIMEOUT_S=${A_CMD_TIMEOUT_S:-360}
 # The collectives first; single-gpu-ft has none (it only runs under torchrun here), pp-ft refuses a world of 1.
-SCRIPTS=${SCRIPTS:-ddp-ft fsdp-ft tp-ft tp-sp-ft fsdp-tp-ft pp-ft single-gpu-ft}
+SCRIPTS=${SCRIPTS:-ddp-ft fsdp-ft tp-ft tp-sp-ft fsdp-tp-ft pp-ft single-gpu-ft fsdp-ft-nf4}
 CONFIGS=${CONFIGS:-packed-compiled padded-eager packed-eager}
 TRACE_MAX_MB=${TRACE_MAX_MB:-8}
 if [ "$SMOKE" = 1 ]; then
@@ -395,19 +397,38 @@ PY
 
 # ---- the parts
 part_a() {
-    local s extra
+    local s script extra
     for s in $SCRIPTS; do
-        if [ ! -f "experiments/$s/train.py" ]; then
-            echo "[a] $s: no experiments/$s/train.py" >&2
+        script=${s%-nf4}
+        if [ ! -f "experiments/$script/train.py" ]; then
+            echo "[a] $s: no experiments/$script/train.py" >&2
             continue
         fi
         extra=()
         case $s in
         fsdp-tp-ft) extra=(--mesh-shape '1,1') ;; # a 1 x 1 mesh: FSDP over 1, TP over 1
+        fsdp-ft-nf4) extra=(--quant nf4) ;;       # QLoRA with the 4-bit base under FSDP2
         esac
         run_one "$s" "$A_CMD_TIMEOUT_S" "${PY[@]}" -m torch.distributed.run --standalone --nproc_per_node=1 \
-            "experiments/$s/train.py" "${COMMON[@]}" --max-steps "$A_STEPS" "${extra[@]}" "${EXTRA[@]}"
+            "experiments/$script/train.py" "${COMMON[@]}" --max-steps "$A_STEPS" "${extra[@]}" "${EXTRA[@]}"
     done
+    # fsdp-ft --quant nf4 against single-gpu-ft (QLoRA, its default) on the same steps: per-step losses, and the
+    # bytes FSDP2 holds of the 4-bit base (a group of one gathers nothing, so its shards are the whole model)
+    local q=$PART_DIR/fsdp-ft-nf4 r=$PART_DIR/single-gpu-ft
+    if [ "$DRY_RUN" != 1 ] && [ -f "$q/metrics.jsonl" ] && [ -f "$r/metrics.jsonl" ]; then
+        "${PY[@]}" - "$q" "$r" >"$PART_DIR/fsdp-ft-nf4-vs-single-gpu-ft.txt" <<'PYEOF'
+import json, sys
+q, r = ([json.loads(x) for x in open(f"{d}/metrics.jsonl") if x.strip()] for d in sys.argv[1:3])
+diffs = [abs(a["loss"] - b["loss"]) for a, b in zip(q, r)]
+print(f"steps compared: {len(diffs)}; max |loss(fsdp-ft --quant nf4) - loss(single-gpu-ft)|: {max(diffs):.3e}")
+try:
+    s = json.load(open(f"{sys.argv[1]}/summary.json"))
+    print(f"param_shard_bytes {s['param_shard_bytes']:,}; largest_unit_bytes {s['largest_unit_bytes']:,}")
+except (OSError, KeyError):
+    print("no summary.json: the fsdp-ft run did not finish")
+PYEOF
+        cat "$PART_DIR/fsdp-ft-nf4-vs-single-gpu-ft.txt"
+    fi
     if [ "$DRY_RUN" != 1 ]; then
         local rest
         rest=$(awk -F'\t' '$2 == "skipped" || $2 == "timed out" {printf "%s ", $1}' "$PART_DIR/runs.tsv")

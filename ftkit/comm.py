@@ -243,6 +243,13 @@ def ring_wire_bytes(kind: str, size: float, world: int) -> float:
     return factor[kind] * size
 
 
+def gathered_bytes(params, param_dtype: torch.dtype) -> int:
+    """Bytes an FSDP2 all-gather of these parameters sends in full: floating ones in the policy's param_dtype
+    (MixedPrecisionPolicy casts them), the others as stored (a 4-bit base's uint8 bytes, two weights each, which
+    FSDP2 never casts: a unit of mixed dtypes is all-gathered as one byte buffer)."""
+    return sum(p.numel() * (param_dtype.itemsize if p.is_floating_point() else p.dtype.itemsize) for p in params)
+
+
 def fsdp_theory(
     param_bytes: int,
     layer_unit_bytes: int,

@@ -8,12 +8,16 @@ Everything here is arithmetic on the model shape; nothing is measured. The compo
   quantization"), i.e. 8/64 + 32/(64*256) = 0.127 bits/param (paper, Sec. 3). Embeddings, the tied
   lm_head and the norms are not quantized (transformers converts the nn.Linear layers but the lm_head)
   and stay in the compute dtype, as the scripts keep them (`models.freeze_base`); `kbit_upcast` models
-  peft's `prepare_model_for_kbit_training` instead, which upcasts them to fp32.
+  peft's `prepare_model_for_kbit_training` instead, which upcasts them to fp32. Under FSDP only the packed codes
+  (0.5 B/param, a uint8 parameter) are sharded: the constants are bitsandbytes' `quant_state`, an attribute of
+  each `Linear4bit` module, not a parameter, so FSDP2 neither shards nor all-gathers them and every rank keeps
+  all of them (`Linear4bit.forward` re-attaches them to the gathered weight on every call).
 - lora: the adapters, fp32 (4 B/param): PEFT keeps adapter weights in fp32 even on a bf16 base
   (`autocast_adapter_dtype=True`); they are the optimizer's master weights, and compute in the stream dtype.
 - gradients: fp32, LoRA only (the base is frozen). DDP adds its bucket copy of them.
 - optimizer: AdamW's two fp32 moments per trainable param, 8 B/param.
-- gathered: FSDP only, parameters all-gathered for compute on top of the resident shards.
+- gathered: FSDP only, parameters all-gathered for compute on top of the resident shards (a 4-bit layer's as
+  its packed bytes: the quantization constants are resident already).
 - activations: tensors saved for backward, derived op by op in `layer_activation_bytes`, plus the logits.
 
 `full_finetune=True` is the contrast case: every parameter trainable, mixed precision as in ZeRO
@@ -60,6 +64,7 @@ LINEAR_INPUT = {
 }
 # NF4 with double quantization, QLoRA paper Sec. 3: 4 bits + 8/64 + 32/(64*256) bits of constants per weight.
 NF4_BYTES_PER_PARAM = (4 + 8 / 64 + 32 / (64 * 256)) / 8
+NF4_PACKED_BYTES = 4 / 8  # of which the codes, two per byte: the parameter FSDP shards; the rest, its constants
 TECHNIQUES = ("single", "ddp", "fsdp", "tp", "tp-sp", "pp")
 
 
@@ -392,8 +397,13 @@ def predict(
         other_bytes = FP32 if quant == "nf4" and kbit_upcast else base_bytes  # embeddings and norms
         grad_bytes, optim_bytes = FP32, 8  # on the fp32 adapters only
 
+    # FSDP shards a 4-bit layer's packed codes only: its quantization constants are a module attribute
+    # (`Linear4bit.quant_state`), not a parameter, replicated on every rank and never gathered.
+    constant_bytes = linear_bytes - NF4_PACKED_BYTES if quant == "nf4" and technique == "fsdp" else 0.0
+    linear_bytes -= constant_bytes
     layers = shape.layers // pp
-    layer_weights = shape.linear_params() / tp * linear_bytes + shape.norm_params() * other_bytes
+    layer_weights = shape.linear_params() / tp * linear_bytes + shape.norm_params() * other_bytes  # parameters
+    layer_constants = shape.linear_params() / tp * constant_bytes
     layer_lora = 0 if full_finetune else lora_params(shape, lora_rank, lora_targets, tp) // shape.layers
     tokens = micro_batch_size * seq_len
     layer_acts = layer_saved_bytes(
@@ -477,7 +487,8 @@ def predict(
         # norm) throughout; the layers at the layer peak, the current one and the prefetched next (all of them,
         # at both peaks, with reshard_after_forward=False, which keeps them from forward on). A group of one
         # prefetches nothing: FSDP2 skips the all-gather and copies a unit's shards into its unsharded parameters
-        # when the unit runs, so only the current layer is unsharded.
+        # when the unit runs, so only the current layer is unsharded. A 4-bit layer is gathered as its packed codes
+        # (its quantization constants are resident on every rank, not gathered).
         root = layer_set = 0.0
         if technique == "fsdp":
             root = outside * other_bytes
@@ -489,7 +500,7 @@ def predict(
         else:
             acts, gathered = acts + layer_peak, root + layer_set
         return MemoryPrediction(
-            weights=weights / shards,
+            weights=weights / shards + layers * layer_constants,
             lora=lora / shards,
             gradients=grads / (1 if accumulation_steps > 1 else shards),
             optimizer=optim / shards,

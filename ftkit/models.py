@@ -483,6 +483,21 @@ def answer_logits(model, mb: dict) -> torch.Tensor:
     return out.logits
 
 
+def check_4bit_storage(quantization_config, param_dtype: torch.dtype) -> None:
+    """Before a 4-bit base is loaded for FSDP2: FSDP2 casts every floating parameter to the policy's param_dtype
+    before its all-gather and leaves integer ones as they are. bitsandbytes can store the packed 4-bit bytes in a
+    float tensor (`bnb_4bit_quant_storage`, FSDP1's workaround); a float storage other than param_dtype would be
+    cast, its bytes converted as numbers, and the layer would dequantize garbage (bitsandbytes#1945). `bnb_config`
+    stores them as uint8: never cast, all-gathered as bytes."""
+    storage = quantization_config.bnb_4bit_quant_storage
+    if storage.is_floating_point and storage != param_dtype:
+        raise ModelError(
+            f"4-bit weights stored as {storage} and all-gathered in {param_dtype}: FSDP2 would cast the packed "
+            "bytes as numbers. Store them as uint8 (bnb_4bit_quant_storage's default, models.bnb_config) or in "
+            f"the all-gather's dtype (bnb_4bit_quant_storage={param_dtype}, or --param-dtype to match)."
+        )
+
+
 def parameter_counts(model) -> dict[str, int]:
     """Trainable and frozen element counts. A 4-bit `Params4bit` stores two values per byte, so its numel is
     half the logical count: count its logical shape instead."""

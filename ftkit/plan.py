@@ -22,8 +22,9 @@ A model, not a measurement; every term is a formula in this repository or a stat
   cannot hide is added to the step:
   - DDP: the fp32 LoRA gradients' all-reduce, once per optimizer step, overlapped with the last micro-batch's
     backward (taken as half that micro-batch's compute);
-  - FSDP: each micro-batch all-gathers the bf16 weights twice (forward, backward), prefetched under the same
-    micro-batch's compute, except the first layer's; the LoRA gradients' reduce-scatter like DDP's all-reduce;
+  - FSDP: each micro-batch all-gathers the bf16 weights (with --quant nf4 the layers' packed 4-bit codes, 0.5 B per
+    weight) twice (forward, backward), prefetched under the same micro-batch's compute, except the first layer's;
+    the LoRA gradients' reduce-scatter like DDP's all-reduce;
   - TP (tp-ft, DTensor): per layer and micro-batch, the forward all-reduces of o_proj and down_proj and the
     backward all-reduces of the five column layers' inputs (q, k, v, gate, up), plus the forward ones again when
     checkpointing recomputes: 7 or 9 all-reduces of [micro, seq, hidden] on the critical path;
@@ -69,7 +70,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from ftkit import comm, data, hardware, metrics, models, run
-from ftkit.memory import GIB, NF4_BYTES_PER_PARAM, ROW_PARALLEL, ModelShape, lora_params, predict
+from ftkit.memory import GIB, NF4_BYTES_PER_PARAM, NF4_PACKED_BYTES, ROW_PARALLEL, ModelShape, lora_params, predict
 
 # The memory model is within 2% of every peak tracked at Qwen3-4B's shape (devlogs/runs/realscale/), and the CUDA
 # peaks of the committed H100 runs are at most 1.046 x it (devlogs/single-gpu-ft.md): the margin leaves room for
@@ -435,7 +436,8 @@ def candidates(s: Setting) -> list[tuple[str, dict[str, int], str]]:
     out = [("single", {}, "nf4"), ("single", {}, "none")]
     w = s.gpus
     if w > 1:
-        out += [("ddp", {"dp": w}, "nf4"), ("ddp", {"dp": w}, "none"), ("fsdp", {"dp": w}, "none")]
+        out += [("ddp", {"dp": w}, "nf4"), ("ddp", {"dp": w}, "none")]
+        out += [("fsdp", {"dp": w}, "nf4"), ("fsdp", {"dp": w}, "none")]
         out += [("pp", {"pp": w}, "none"), ("tp", {"tp": w}, "none"), ("tp-sp", {"tp": w}, "none")]
         # TP inside a node, FSDP over the rest
         tps = [t for t in range(2, s.per_node + 1) if s.per_node % t == 0 and w > t]
@@ -579,7 +581,9 @@ def step_time(s: Setting, technique: str, mesh: dict[str, int], quant: str, step
     if technique == "ddp":
         exposed = max(0.0, coll("all_reduce", FP32 * n_lora, dp) - micro / 2)
     if technique in ("fsdp", "fsdp-tp"):
-        layer_bytes = shape.linear_params() / tp * BF16 + shape.norm_params() * BF16
+        # a 4-bit layer is gathered as its packed codes, 0.5 B per weight (its constants are resident on every rank)
+        linear_bytes = NF4_PACKED_BYTES if quant == "nf4" else BF16
+        layer_bytes = shape.linear_params() / tp * linear_bytes + shape.norm_params() * BF16
         gathers = coll("all_gather", 2 * shape.layers * layer_bytes + shape.embedding_params() * BF16, dp)
         exposed = accum * (max(0.0, gathers - micro) + gathers / (2 * shape.layers))
         exposed += max(0.0, coll("reduce_scatter", FP32 * n_lora / tp, dp) - micro / 2)
@@ -623,9 +627,9 @@ def mesh_label(mesh: dict[str, int]) -> str:
 
 
 def label(row: dict) -> str:
-    quant = (
-        " --quant nf4" if row["quant"] == "nf4" else " --quant none" if row["technique"] in ("single", "ddp") else ""
-    )
+    # The flag to pass: single-gpu-ft and ddp-ft default to --quant nf4, fsdp-ft to none (the others have no flag).
+    default_nf4 = row["technique"] in ("single", "ddp")
+    quant = " --quant nf4" if row["quant"] == "nf4" else " --quant none" if default_nf4 else ""
     return f"{row['experiment']}{quant} ({mesh_label(row['mesh'])})"
 
 

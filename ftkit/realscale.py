@@ -1,6 +1,7 @@
 """Qwen3-4B at real scale without a GPU: one rank's training step on fake tensors, its memory and FLOPs tracked.
 
     uv run python -m ftkit.realscale --technique fsdp --world 8 --json
+    uv run python -m ftkit.realscale --technique fsdp --quant nf4 --world 2 --json
     uv run python -m ftkit.realscale --technique single --no-grad-checkpointing
     uv run python -m ftkit.realscale --technique pp --world 2 --schedule gpipe --json
     uv run python -m ftkit.realscale --technique pp --world 2 --pp-stage last --json
@@ -34,9 +35,11 @@ embedding), and pp-ft's loss on the answer positions; it sends each micro-batch'
 compared with the memory model's prediction for that stage (`pp_stage`); the busier of the two, the one pp-ft's
 summary states, is reported beside it.
 
-QLoRA (--quant nf4, single-gpu-ft's and ddp-ft's default): the projections are bitsandbytes `Linear4bit` layers,
-made by transformers' own quantizer and quantized by bitsandbytes' own `quantize_4bit` (`quantize_fake`), and each
-4-bit matmul dequantizes its weight to bf16 as bitsandbytes' CUDA kernel does at these row counts.
+QLoRA (--quant nf4, single-gpu-ft's and ddp-ft's default, an option of fsdp-ft's): the projections are bitsandbytes
+`Linear4bit` layers, made by transformers' own quantizer and quantized by bitsandbytes' own `quantize_4bit`
+(`quantize_fake`), and each 4-bit matmul dequantizes its weight to bf16 as bitsandbytes' CUDA kernel does at these
+row counts. Under FSDP the packed codes (uint8, the shape bitsandbytes stores) are sharded by the script's
+`shard_model` and gathered as bytes; the quantization constants stay on the module, whole on every rank.
 
 These are tracked on fake tensors at Qwen3-4B's shape: they exclude the CUDA context, NCCL buffers and allocator
 fragmentation, and the tensors live on the CPU device (faking CUDA fails at FSDP2's CUDA streams), so CPU-only
@@ -126,8 +129,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quant",
         choices=["none", "nf4"],
         default=None,
-        help="base weights: bf16, or 4-bit NF4 (QLoRA: single-gpu-ft's and ddp-ft's default; the other scripts "
-        "train on a bf16 base)",
+        help="base weights: bf16, or 4-bit NF4 (QLoRA: single-gpu-ft's and ddp-ft's default, fsdp-ft's --quant nf4; "
+        "the other scripts train on a bf16 base)",
     )
     g.add_argument("--no-grad-checkpointing", dest="grad_checkpointing", action="store_false")
     p.add_argument(
@@ -195,10 +198,7 @@ def script_args(script, opts: argparse.Namespace) -> argparse.Namespace:
         argv += ["--schedule", opts.schedule]
     if opts.technique == "pp":
         argv.append("--no-packing")  # the padded layout pp-ft runs (it notes so, on stdout, when asked to pack)
-    if opts.technique == "fsdp":
-        if opts.quant == "nf4":
-            argv.append("--qlora")  # the script refuses it, and says why
-    elif opts.technique in (*TENSOR_PARALLEL, "pp"):
+    if opts.technique in (*TENSOR_PARALLEL, "pp"):
         if opts.quant == "nf4":
             raise RealScaleError(
                 f"--quant nf4: experiments/{SCRIPTS[opts.technique]}/train.py trains LoRA on a bf16 base (no QLoRA)"
@@ -352,11 +352,15 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
         model = models.load_model(
             args.model, quant="none", dtype=dtype, device=torch.device("meta"), seed=args.seed, attn="sdpa"
         )
-    if technique == "fsdp":  # as experiments/fsdp-ft/train.py: checkpointing, PEFT, then FSDP2
+    if technique == "fsdp":  # as experiments/fsdp-ft/train.py: (a 4-bit base,) checkpointing, PEFT, then FSDP2
+        if args.quant == "nf4":
+            quantize_meta(model, dtype)
         if args.grad_checkpointing:
             models.checkpoint_activations(model)
         model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
         counts = models.parameter_counts(model)
+        if args.quant == "nf4":
+            pack_meta(model)  # the script shards the loaded (quantized) weights: their packed uint8 codes
         script.shard_model(model, args, device, world)
     elif technique == "tp":  # as experiments/tp-ft/train.py: checkpointing, PEFT, then each layer's plan
         from torch.distributed.device_mesh import init_device_mesh
@@ -410,15 +414,46 @@ def quantize_meta(model, dtype: torch.dtype) -> None:
     quantizer.postprocess_model(model)
 
 
+def settings_4bit(w) -> dict:
+    """A `Params4bit`'s quantization settings, kept on its layer: replacing the parameter (`to_empty`, `pack_meta`)
+    drops them."""
+    return dict(
+        blocksize=w.blocksize,
+        compress_statistics=w.compress_statistics,
+        quant_type=w.quant_type,
+        quant_storage=w.quant_storage,
+    )
+
+
+def pack_meta(model) -> None:
+    """Each meta `Linear4bit`'s weight as bitsandbytes stores it once quantized, for FSDP2 to shard as fsdp-ft shards
+    the loaded 4-bit base: the packed codes, two per byte in uint8 (`bnb_4bit_quant_storage`'s default), shape
+    [out * in / 2, 1], a frozen plain parameter. The layer's settings are kept for `quantize_fake`, which gives the
+    layer its quantization constants once there is storage."""
+    import bitsandbytes as bnb
+
+    for module in model.modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            settings = module.settings_4bit = settings_4bit(module.weight)
+            storage = settings["quant_storage"]
+            packed = (module.out_features * module.in_features + 1) // (2 * storage.itemsize)
+            weight = torch.empty(packed, 1, dtype=storage, device="meta")
+            module.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+
 def quantize_fake(model) -> list[torch.Tensor]:
     """Each `Linear4bit`'s weight quantized by bitsandbytes' own `quantize_4bit` from a fake bf16 weight, with the
     layer's settings (NF4, double quantization, blocksize 64), so the packed weight and its quantization constants
     have the shapes and dtypes bitsandbytes gives a loaded checkpoint. Call inside FakeTensorMode: bitsandbytes
     registers fake kernels for its 4-bit ops. The packed weight is a plain frozen parameter carrying its
-    `quant_state`, which `Linear4bit.forward` reads (a `Params4bit` cannot wrap a fake tensor). Returns the
-    constants' tensors (absmax codes, their fp32 absmax, code book and offset), which live beside the parameter."""
+    `quant_state`, which `Linear4bit.forward` reads (a `Params4bit` cannot wrap a fake tensor); the layer keeps the
+    state too (`module.quant_state`), as bitsandbytes' quantization leaves it. A weight FSDP2 has sharded already
+    (`pack_meta`) stays: the packed codes must have its shape, and the state is the module's only, whole on every
+    rank (`fsdp_quant_state`). Returns the constants' tensors (absmax codes, their fp32 absmax, code book and
+    offset), which live beside the parameter."""
     import bitsandbytes as bnb
     from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.distributed.tensor import DTensor
 
     layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
     if layers:  # double quantization's 8-bit code book, which bitsandbytes computes from values once and caches
@@ -430,8 +465,16 @@ def quantize_fake(model) -> list[torch.Tensor]:
         # the checkpoint's weight, in the dtype the scripts load it in (their compute dtype)
         weight = torch.empty(module.out_features, module.in_features, dtype=module.compute_dtype)
         packed, state = bnb.functional.quantize_4bit(weight, **settings)
-        module.weight = torch.nn.Parameter(packed, requires_grad=False)
-        module.weight.quant_state = state
+        module.quant_state = state
+        if isinstance(module.weight, DTensor):  # sharded by FSDP2: its packed codes, as bitsandbytes packs them
+            if module.weight.shape != packed.shape or module.weight.dtype != packed.dtype:
+                raise RealScaleError(
+                    f"sharded 4-bit weight {tuple(module.weight.shape)} {module.weight.dtype}, bitsandbytes packs "
+                    f"{tuple(packed.shape)} {packed.dtype}"
+                )
+        else:
+            module.weight = torch.nn.Parameter(packed, requires_grad=False)
+            module.weight.quant_state = state
         constants += [state.absmax, state.offset, state.state2.absmax, state.state2.code]
     return constants
 
@@ -463,14 +506,8 @@ def materialise(model, device: torch.device) -> list[torch.Tensor]:
     import bitsandbytes as bnb
 
     for module in model.modules():  # to_empty replaces a Params4bit with a plain tensor: keep its settings
-        if isinstance(module, bnb.nn.Linear4bit):
-            w = module.weight
-            module.settings_4bit = dict(
-                blocksize=w.blocksize,
-                compress_statistics=w.compress_statistics,
-                quant_type=w.quant_type,
-                quant_storage=w.quant_storage,
-            )
+        if isinstance(module, bnb.nn.Linear4bit) and not hasattr(module, "settings_4bit"):
+            module.settings_4bit = settings_4bit(module.weight)
     model.to_empty(device=device)
     # to_empty gives each module its own new tensor, so a parameter two modules share (the tied embedding and
     # lm_head) comes out as two: tie them again, as loading ties them. (FSDP2 keeps one shard for a shared one.)
@@ -607,14 +644,23 @@ def measure(opts: argparse.Namespace) -> dict:
     nf4 = getattr(args, "quant", "none") == "nf4"
     if nf4:
         rows_4bit = args.micro_batch_size * args.max_length
+        stored = (
+            "and their weights the packed uint8 codes bitsandbytes stores ([out * in / 2, 1]), which the script's "
+            "shard_model shards, as fsdp-ft shards the loaded base; each layer's quantization constants come from "
+            "bitsandbytes' quantize_4bit of a fake bf16 weight (NF4, double quantization, blocksize 64) and are its "
+            "module's quant_state, whole on this rank, tracked as 'Inputs'; the gathered weight, a plain parameter "
+            "of FSDP2's, is given the module's quant_state as it is (bitsandbytes wraps it in a Params4bit first, "
+            "sharing its storage, which a fake tensor cannot be)"
+            if technique == "fsdp"
+            else "each weight is quantized by bitsandbytes' quantize_4bit from a fake bf16 weight (NF4, double "
+            "quantization, blocksize 64) and kept as a plain frozen parameter carrying its quant_state (a Params4bit "
+            "cannot wrap a fake tensor); the quantization constants are tracked as 'Other'"
+        )
         stand_ins.append(
             "the 4-bit base: transformers' bitsandbytes quantizer makes the meta model's projections Linear4bit "
-            "layers, as from_pretrained does; each weight is quantized by bitsandbytes' quantize_4bit from a fake "
-            "bf16 weight (NF4, double quantization, blocksize 64) and kept as a plain frozen parameter carrying "
-            "its quant_state (a Params4bit cannot wrap a fake tensor); the quantization constants are tracked as "
-            "'Other'. gemm_4bit runs as bitsandbytes' CUDA kernel runs it past "
-            f"{GEMM_4BIT_FUSED_MAX_ROWS} rows (dequantize to a bf16 weight, F.linear; its fake kernel allocates "
-            f"and computes nothing); these micro-batches have {rows_4bit} rows"
+            f"layers, as from_pretrained does{',' if technique == 'fsdp' else ';'} {stored}. gemm_4bit runs as "
+            f"bitsandbytes' CUDA kernel runs it past {GEMM_4BIT_FUSED_MAX_ROWS} rows (dequantize to a bf16 weight, "
+            f"F.linear; its fake kernel allocates and computes nothing); these micro-batches have {rows_4bit} rows"
             + ("" if rows_4bit > GEMM_4BIT_FUSED_MAX_ROWS else ", where CUDA runs the fused kernel instead")
         )
     with (
@@ -622,6 +668,7 @@ def measure(opts: argparse.Namespace) -> dict:
         cuda_dropout(),
         causal_mask_skipped(unmasked),
         dequantising_gemm_4bit() if nf4 else contextlib.nullcontext(),
+        fsdp_quant_state() if nf4 and technique == "fsdp" else contextlib.nullcontext(),
     ):
         constants = materialise(model, device)
         quantized = quantization_report(model, constants) if nf4 else {}
@@ -730,7 +777,7 @@ def measure(opts: argparse.Namespace) -> dict:
     peak = next(iter(peak.values()), {}) if peak else {}
     categories = {k: int(v) for k, v in peak.items() if k != "Total"}
     tracked_total = int(peak.get("Total", 0))
-    setting = {"quant": args.quant} if technique in ("single", "ddp") else {}
+    setting = {"quant": args.quant} if technique in ("single", "ddp", "fsdp") else {}
     if technique != "single":
         setting["world_size"] = world
     if technique == "fsdp":
@@ -794,7 +841,7 @@ def measure(opts: argparse.Namespace) -> dict:
             "model": args.model,
             "layers": config.num_hidden_layers,
             "dtype": args.dtype,
-            "quant": getattr(args, "quant", "none") if technique in ("single", "ddp") else "none",
+            "quant": getattr(args, "quant", "none") if technique in ("single", "ddp", "fsdp") else "none",
             "micro_batch_size": args.micro_batch_size,
             "max_length": args.max_length,
             "batch_size": args.batch_size,
@@ -881,14 +928,14 @@ def collective_theory(
 ):
     """The bytes per collective kind that the script's summary states as theory (`theory_*`), for an optimizer
     step of `micro_steps` micro-batches like `mb`, from the same functions (ftkit/comm.py)."""
-    if technique == "fsdp":
+    if technique == "fsdp":  # as fsdp-ft's summary: floating parameters in --param-dtype, 4-bit codes as stored
         from torch.distributed.fsdp import FSDPModule
 
-        itemsize = run.torch_dtype(args.param_dtype).itemsize
+        param_dtype = run.torch_dtype(args.param_dtype)
         layer_units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
         return comm.fsdp_theory(
-            (counts["trainable"] + counts["frozen"]) * itemsize,
-            sum(p.numel() * itemsize for unit in layer_units for p in unit.parameters()),
+            comm.gathered_bytes(model.parameters(), param_dtype),
+            sum(comm.gathered_bytes(unit.parameters(), param_dtype) for unit in layer_units),
             micro_steps,
             args.reshard_after_forward,
             counts["trainable"] * run.torch_dtype(args.reduce_dtype).itemsize,
@@ -1002,6 +1049,23 @@ GEMM_4BIT = DequantisingGemm4bit()
 @contextlib.contextmanager
 def dequantising_gemm_4bit():
     with mock.patch.object(torch.ops.bitsandbytes, "gemm_4bit", GEMM_4BIT):
+        yield
+
+
+@contextlib.contextmanager
+def fsdp_quant_state():
+    """bitsandbytes' recovery of a 4-bit weight's quantization state under FSDP, for fake tensors. FSDP2 replaces a
+    `Linear4bit`'s weight with its own parameters (the shard, the gathered one), which carry no `quant_state`;
+    `Linear4bit.forward` then wraps the gathered weight in a `Params4bit` (sharing its storage) and gives it the
+    module's `quant_state` (`fix_4bit_weight_quant_state_from_module`). A `Params4bit` cannot wrap a fake tensor:
+    here the gathered parameter is given the module's state as it is. Nothing is allocated either way."""
+    import bitsandbytes as bnb
+
+    def attach(module) -> None:
+        if getattr(module.weight, "quant_state", None) is None:
+            module.weight.quant_state = module.quant_state
+
+    with mock.patch.object(bnb.nn.modules, "fix_4bit_weight_quant_state_from_module", attach):
         yield
 
 

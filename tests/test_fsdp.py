@@ -1,7 +1,8 @@
 """experiments/fsdp-ft on 2 CPU processes (torchrun, gloo): the same training step as the single-process LoRA
 reference (--quant none), with and without gradient accumulation; bf16 mixed precision within a stated tolerance;
 FSDP2's all-gather and reduce-scatter bytes as theory says; per-rank parameter memory as the memory model says;
-resume from the sharded checkpoint, inference on the gathered adapter, and --qlora refused on every rank."""
+resume from the sharded checkpoint, inference on the gathered adapter; QLoRA (--quant nf4), its 4-bit base sharded
+as bytes, against the single-process QLoRA reference."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import shutil
 
 import parity
 import pytest
+import torch
 
 TRAIN = "experiments/fsdp-ft/train.py"
 INFER = "experiments/fsdp-ft/infer.py"
@@ -186,10 +188,84 @@ def test_infer_on_the_gathered_adapter(accum, tmp_path):
     parity.infer_with_a_loud_adapter(INFER, accum.run_dir, tmp_path)
 
 
-def test_qlora_is_refused_with_the_reason(tmp_path, data_dir, monkeypatch):
-    argv = flags(data_dir, 8, "--qlora", "--output-dir", str(tmp_path / "o"))
+# QLoRA (--quant nf4): every rank quantizes the checkpoint itself and FSDP2 shards the 4-bit base as uint8 bytes.
+# With accumulation: 2 micro-steps per rank.
+@pytest.fixture(scope="module")
+def qlora(tmp_path_factory, data_dir):
+    return launch(tmp_path_factory, "qlora", *flags(data_dir, 8, "--quant", "nf4"))
+
+
+def test_qlora_takes_the_single_process_qlora_step(qlora, tmp_path_factory, data_dir):
+    """The sharded 4-bit base computes what single-gpu-ft's unsharded one does: the all-gathered bytes are the
+    bytes each rank quantized, and each layer's quantization state (a module attribute, replicated) is its own."""
+    ref = parity.reference(tmp_path_factory.mktemp("ref"), *flags(data_dir, 8), quant="nf4")
+    loss = parity.compare_losses(qlora.run_dir, ref)
+    eval_loss = parity.compare_losses(qlora.run_dir, ref, key="eval_loss")
+    adapter = parity.compare_adapters(qlora.run_dir / "adapter", ref / "adapter")
+    print(f"fsdp qlora vs single-gpu qlora: max |loss diff| {loss:.2e}, eval {eval_loss:.2e}, adapter {adapter:.2e}")
+    assert loss <= parity.LOSS_TOL and eval_loss <= parity.LOSS_TOL
+    assert adapter <= parity.ADAPTER_TOL
+
+
+def test_qlora_shards_and_gathers_the_4bit_bytes(qlora, accum):
+    """The 4-bit weights are sharded and all-gathered as uint8 (two weights per byte), not counted at --param-dtype:
+    the shards, the largest unit and the all-gathers are smaller than bf16 LoRA's by the projections' share."""
+    q, b = summary(qlora), summary(accum)
+    assert q["config"]["quant"] == "nf4" and q["parameters"] == b["parameters"]  # the same logical model
+    assert q["param_shard_bytes"] < b["param_shard_bytes"]
+    assert q["theory_all_gather_bytes"] < b["theory_all_gather_bytes"]
+    for row in parity.metrics(qlora.run_dir):
+        assert row["comm"]["all_gather"]["bytes"] == q["theory_all_gather_bytes"], row["comm"]
+        assert row["comm"]["reduce_scatter"]["bytes"] == b["theory_reduce_scatter_bytes"]  # the same LoRA gradients
+
+
+def test_qlora_resumes_the_uninterrupted_run(qlora, tmp_path):
+    resume_a_copy(qlora, tmp_path / "resumed", step=2)
+    assert parity.compare_losses(tmp_path / "resumed", qlora.run_dir) <= 1e-6
+    assert parity.compare_adapters(tmp_path / "resumed" / "adapter", qlora.run_dir / "adapter") <= 1e-6
+
+
+def test_fully_shard_gathers_back_the_4bit_bytes_each_rank_quantized(tmp_path):
+    """fsdp-ft's `shard_model` on the tiny model in NF4, 2 ranks: each 4-bit weight is sharded as uint8 (half its
+    bytes per rank) and every unit's all-gather gives back exactly the bytes it was quantized to, its quantization
+    state still on the module (tests/fsdp_4bit_gather.py)."""
+    out = tmp_path / "gathered.json"
+    run = parity.torchrun("tests/fsdp_4bit_gather.py", str(out))
+    assert run.returncode == 0, run.report()
+    weights = json.loads(out.read_text())["weights"]
+    assert len(weights) == 4 * 7  # the seven projections of every layer
+    for name, w in weights.items():
+        assert w["dtype"] == "torch.uint8" and w["equal"] and w["same_quant_state"], (name, w)
+        assert w["shard_bytes"] * 2 == w["bytes"], (name, w)
+
+
+def test_a_4bit_storage_fsdp2_would_cast_is_refused():
+    """bitsandbytes can keep the packed bytes in a float tensor (bnb_4bit_quant_storage); FSDP2 casts a float
+    parameter to --param-dtype before the all-gather, which would convert the bytes as numbers. Checked on the
+    quantization config, before any weight is loaded."""
+    from transformers import BitsAndBytesConfig
+
+    from ftkit import models
+
+    models.check_4bit_storage(models.bnb_config(torch.bfloat16), torch.bfloat16)  # uint8: never cast
+    models.check_4bit_storage(models.bnb_config(torch.float32), torch.float32)
+    same = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=torch.bfloat16)
+    models.check_4bit_storage(same, torch.bfloat16)  # stored as it is gathered
+    with pytest.raises(models.ModelError, match="would cast the packed bytes") as refused:
+        models.check_4bit_storage(same, torch.float32)
+    assert "uint8" in str(refused.value)  # the fix
+
+
+def test_qlora_adapter_loads_on_an_nf4_base(qlora, tmp_path):
+    """infer.py rebuilds the run's base as it trained (NF4) and loads the gathered adapter with stock PEFT."""
+    parity.infer_with_a_loud_adapter(INFER, qlora.run_dir, tmp_path)
+    assert json.loads((qlora.run_dir / "config.json").read_text())["args"]["quant"] == "nf4"
+
+
+def test_qlora_with_cpu_offload_is_refused_before_any_work(tmp_path, data_dir, monkeypatch):
+    argv = flags(data_dir, 8, "--quant", "nf4", "--cpu-offload", "--output-dir", str(tmp_path / "o"))
     message = parity.refused(monkeypatch, TRAIN, *argv, world=2)
-    assert "Params4bit" in message and not (tmp_path / "o").exists()
+    assert "--cpu-offload" in message and not (tmp_path / "o").exists()
 
 
 # --cpu-offload (FSDP2's CPUOffloadPolicy) on CPU: the same code path as on a GPU with the host on both sides of

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -55,7 +56,7 @@ def smoke(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gpu-session")
     out = tmp / "out"
     # pp-ft first: it refuses a world of 1, and the next script runs all the same.
-    a = session(tmp, "a", "--smoke", SCRIPTS="pp-ft single-gpu-ft")
+    a = session(tmp, "a", "--smoke", SCRIPTS="pp-ft single-gpu-ft fsdp-ft-nf4")
     assert a.returncode == 0, a.stdout + a.stderr
     b = session(tmp, "b1", SMOKE="1", CONFIGS="packed-eager")
     assert b.returncode == 0, b.stdout + b.stderr
@@ -72,7 +73,7 @@ def smoke(tmp_path_factory):
 def test_part_a_runs_each_script_under_torchrun_and_records_it(smoke):
     part = smoke["out"] / "a-world1-smoke-cpu"
     runs = runs_tsv(part)
-    assert list(runs) == ["pp-ft", "single-gpu-ft"]
+    assert list(runs) == ["pp-ft", "single-gpu-ft", "fsdp-ft-nf4"]
     assert runs["single-gpu-ft"][1:3] == ["ok", "0"]
     run = part / "single-gpu-ft"
     summary = json.loads((run / "summary.json").read_text())
@@ -91,6 +92,19 @@ def test_part_a_runs_each_script_under_torchrun_and_records_it(smoke):
     report = (part / "report.md").read_text()
     assert "| a-world1-smoke-cpu | single-gpu-ft | ok |" in report
     assert "| a-world1-smoke-cpu | single-gpu-ft | ok |" in smoke["a"].stdout  # printed at the end, too
+
+
+def test_part_a_compares_fsdp_qlora_with_single_gpu_qlora(smoke):
+    """fsdp-ft --quant nf4 at world 1 against single-gpu-ft's QLoRA on the same steps (fp32 here: equal)."""
+    part = smoke["out"] / "a-world1-smoke-cpu"
+    assert runs_tsv(part)["fsdp-ft-nf4"][1:3] == ["ok", "0"]
+    assert "--quant nf4" in (part / "fsdp-ft-nf4" / "command.txt").read_text()
+    text = (part / "fsdp-ft-nf4-vs-single-gpu-ft.txt").read_text()
+    steps, diff = re.search(
+        r"steps compared: (\d+); max \|loss\(fsdp-ft --quant nf4\) - loss\(single-gpu-ft\)\|: (\S+)", text
+    ).groups()
+    assert int(steps) == 2 and float(diff) <= 1e-5, text
+    assert "param_shard_bytes" in text
 
 
 def test_a_refusal_is_recorded_with_its_message(smoke):
@@ -169,7 +183,8 @@ def test_gpu_plan_under_a_stand_in_nvidia_smi(tmp_path):
         assert f"{tmp_path / 'out' / part}-h100-80gb-hbm3 " in text, part
     lines = text.splitlines()
     world1 = [line for line in lines if line.startswith("[a] ") and "torch.distributed.run" in line]
-    assert len(world1) == 7 and all("--nproc_per_node=1" in line and "--max-steps 3" in line for line in world1)
+    assert len(world1) == 8 and all("--nproc_per_node=1" in line and "--max-steps 3" in line for line in world1)
+    assert "experiments/fsdp-ft/train.py" in world1[-1] and "--quant nf4" in world1[-1]  # fsdp-ft-nf4, last
     assert all("--model qwen3-4b-shape" in line for line in lines if "--output-dir" in line)
     assert "--mesh-shape 1,1" in next(line for line in world1 if "fsdp-tp-ft" in line)
     b = [line for line in lines if line.startswith(("[b1] ", "[b2] ")) and "--output-dir" in line]

@@ -205,6 +205,29 @@ def test_fsdp_model_states_scale_as_one_over_n():
         assert fsdp.gathered > 0  # the all-gathered units come on top of the shards
 
 
+def test_fsdp_shards_a_4bit_bases_codes_and_keeps_its_constants_whole_on_every_rank():
+    """QLoRA under FSDP: FSDP2 shards the packed 4-bit codes (a uint8 parameter, 0.5 B per weight) and gathers them
+    as bytes, but the quantization constants (bitsandbytes' quant_state, an attribute of each Linear4bit module, not
+    a parameter) stay whole on every rank and are never gathered."""
+    shape = QWEN3_4B
+    linear = shape.layers * shape.linear_params()
+    constants = linear * (NF4_BYTES_PER_PARAM - 0.5)  # 0.127 bits per weight
+    parameters = linear * 0.5 + (shape.n_params() - linear) * 2  # the codes, the bf16 embedding and norms
+
+    def fsdp(n: int, quant: str = "nf4"):
+        return predict(shape, technique="fsdp", quant=quant, world_size=n, logit_positions=256)
+
+    two, four = fsdp(2), fsdp(4)
+    assert two.weights == pytest.approx(parameters / 2 + constants, rel=1e-12)
+    assert two.weights - four.weights == pytest.approx(parameters / 4, rel=1e-12)  # the constants do not shrink
+    assert predict(shape, quant="nf4").weights == pytest.approx(parameters + constants, rel=1e-12)  # one GPU: all
+    # Gathered at the layer peak: the root unit (the bf16 embedding and final norm) and two layers, each as its
+    # packed codes with its bf16 norms and its adapters; bf16 gathers 2 B per projection weight instead.
+    layer = shape.linear_params() * 0.5 + shape.norm_params() * 2 + 4 * lora_params(shape, 16) // shape.layers
+    assert two.gathered == pytest.approx((shape.embedding_params() + shape.hidden) * 2 + 2 * layer, rel=1e-12)
+    assert fsdp(2, "none").gathered - two.gathered == pytest.approx(2 * shape.linear_params() * 1.5, rel=1e-12)
+
+
 def test_full_finetune_matches_zero():
     psi = QWEN3_4B.n_params()
     assert model_states(predict(QWEN3_4B, full_finetune=True)) == zero_bytes(psi, stage=0)

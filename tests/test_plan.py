@@ -102,7 +102,7 @@ def test_the_pcie_box_gets_data_parallelism_and_tp_sp_loses_to_fsdp_there(capsys
     result = plan.main(["--model", "Qwen/Qwen3-4B", "--gpus", "2", "--gpu", "rtx4090", "--link", "pcie4"])
     rec = result["recommendation"]
     assert (rec["experiment"], rec["mesh"], rec["quant"]) == ("ddp-ft", {"dp": 2}, "none")
-    assert row(result, "fsdp-ft")["tokens_per_s"] > row(result, "tp-sp-ft")["tokens_per_s"]
+    assert row(result, "fsdp-ft", quant="none")["tokens_per_s"] > row(result, "tp-sp-ft")["tokens_per_s"]
     assert row(result, "tp-sp-ft")["tokens_per_s"] > row(result, "tp-ft")["tokens_per_s"]
     assert all(r["fits"] for r in result["techniques"] if "refused" not in r)
     assert "recommendation: ddp-ft --quant none (dp2)" in capsys.readouterr().out
@@ -134,7 +134,28 @@ def test_two_nodes_with_a_model_that_needs_sharding_in_bf16():
     assert meshes == [{"dp": 8, "tp": 2}, {"dp": 4, "tp": 4}, {"dp": 2, "tp": 8}]
     # TP inside a node: its collectives on NVLink, cheaper than fsdp-ft's weight gathers across the nodes
     best_2d = max((r for r in result["techniques"] if r["technique"] == "fsdp-tp"), key=lambda r: r["tokens_per_s"])
-    assert best_2d["tokens_per_s"] > row(result, "fsdp-ft")["tokens_per_s"]
+    assert best_2d["tokens_per_s"] > row(result, "fsdp-ft", quant="none")["tokens_per_s"]
+
+
+def test_fsdp_ft_is_planned_on_a_4bit_base_too():
+    """fsdp-ft --quant nf4: the packed 4-bit codes sharded (the quantization constants whole on every rank), so
+    less memory per GPU than QLoRA DDP and than bf16 FSDP; it gathers 0.5 B per projection weight where bf16 FSDP
+    gathers 2, and pays NF4's dequantization on every pass as ddp-ft --quant nf4 does. Its label is the command."""
+    result = plan.main(["--gpus", "2", "--gpu", "rtx4090", "--link", "pcie4", "--json"])
+    fsdp_nf4, fsdp_bf16 = row(result, "fsdp-ft", quant="nf4"), row(result, "fsdp-ft", quant="none")
+    ddp_nf4 = row(result, "ddp-ft", quant="nf4")
+    assert (fsdp_nf4["technique"], fsdp_nf4["mesh"]) == ("fsdp", {"dp": 2})
+    assert plan.label(fsdp_nf4) == "fsdp-ft --quant nf4 (dp2)" and plan.label(fsdp_bf16) == "fsdp-ft (dp2)"
+    assert fsdp_nf4["memory_bytes"] < ddp_nf4["memory_bytes"] and fsdp_nf4["memory_bytes"] < fsdp_bf16["memory_bytes"]
+    assert fsdp_nf4["compute_s"] == ddp_nf4["compute_s"] > fsdp_bf16["compute_s"]  # the dequantization
+    assert 0 < fsdp_nf4["exposed_comm_s"] < fsdp_bf16["exposed_comm_s"]
+    experiments = [(r["experiment"], r["quant"]) for r in result["techniques"]]
+    assert experiments[2:6] == [("ddp-ft", "nf4"), ("ddp-ft", "none"), ("fsdp-ft", "nf4"), ("fsdp-ft", "none")]
+    # The host model prices its micro-batches with the 4-bit step's op counts, as for ddp-ft --quant nf4.
+    hosted = plan.main(["--gpus", "2", "--host", "h100-vm", "--layout", "packed", "--json"])
+    fsdp_nf4, ddp_nf4 = row(hosted, "fsdp-ft", quant="nf4"), row(hosted, "ddp-ft", quant="nf4")
+    assert fsdp_nf4["host_ops_per_micro_batch"] == ddp_nf4["host_ops_per_micro_batch"]
+    assert fsdp_nf4["host_s"] == ddp_nf4["host_s"] > row(hosted, "fsdp-ft", quant="none")["host_s"]
 
 
 def test_a_job_that_fits_nowhere_says_what_to_change():
@@ -164,7 +185,7 @@ def test_the_tp_sp_posts_throughput_table_is_what_the_planner_predicts(capsys):
     assert len(rows) == 4
     for flags, *shown in rows:
         result = plan.main(["--gpus", "2", *flags.split(), "--json"])
-        columns = [row(result, "ddp-ft", quant="none"), row(result, "fsdp-ft"), row(result, "tp-sp-ft")]
+        columns = [row(result, "ddp-ft", quant="none"), row(result, "fsdp-ft", quant="none"), row(result, "tp-sp-ft")]
         predicted = [f"{r['tokens_per_s']:,.0f}" for r in [*columns, row(result, "tp-ft")]]
         assert predicted == shown, flags
     capsys.readouterr()

@@ -6,8 +6,8 @@
 FSDP trains shards, but the script gathers the adapter onto rank 0 at the end and saves it as an ordinary PEFT
 adapter: inference is one process on one device (bf16 on a GPU, fp32 on the CPU), the same as the single-GPU
 experiment's. The base model is rebuilt exactly as the training run built it (its config.json: model, dtype,
-seed; never 4-bit), the adapter is loaded with stock `PeftModel.from_pretrained`, and both the base and the
-finetuned model summarize the same examples greedily.
+seed; 4-bit NF4 for a --quant nf4 run), the adapter is loaded with stock `PeftModel.from_pretrained`, and both
+the base and the finetuned model summarize the same examples greedily.
 """
 
 from __future__ import annotations

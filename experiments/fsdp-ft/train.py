@@ -1,4 +1,4 @@
-"""FSDP LoRA: finetune Qwen3-4B with LoRA on a frozen bf16 base, every weight sharded over the GPUs (FSDP2).
+"""FSDP LoRA: finetune Qwen3-4B with LoRA on a frozen bf16 (or 4-bit) base, every weight sharded over the GPUs (FSDP2).
 
 The single-GPU step (with --quant none), split across GPUs: every rank runs its share of the global batch, as in
 DDP, but holds only 1/N of every parameter. Each decoder layer is an FSDP unit: its shards are all-gathered just
@@ -7,6 +7,7 @@ gradient of its own shard (ZeRO-3, Rajbhandari et al. 2020, arXiv 1910.02054; FS
 2304.11277):
     uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py                    # Qwen3-4B, 2 GPUs, NCCL
     uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --smoke            # CPU
+    uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --quant nf4        # QLoRA, the 4-bit base sharded
     uv run torchrun --nproc_per_node=2 experiments/fsdp-ft/train.py --smoke --wrap-class LlamaDecoderLayer  # a trap
 
 One optimizer step = one global batch of --batch-size sequences, run as --batch-size / (--micro-batch-size x
@@ -36,22 +37,16 @@ from torch.distributed.tensor import DTensor
 from ftkit import comm, data, metrics, models, run
 from ftkit.profiling import StepProfiler
 
-QLORA_REFUSAL = (
-    "--qlora: a 4-bit base does not shard with FSDP2 here. FSDP2 cuts every parameter into N pieces along dim 0, "
-    "but a bitsandbytes Params4bit stores two 4-bit values per uint8 byte, flattened, and keeps its quantization "
-    "state (absmax per 64-value block, the NF4 code, the original shape) beside the tensor: the chunks are plain "
-    "tensors without it, so the layer would dequantize the wrong values. What it takes: "
-    "bnb_4bit_quant_storage=torch.bfloat16 so the packed storage is a float tensor FSDP can flatten, with "
-    "FSDP1(use_orig_params=True) and bitsandbytes' FSDP support on CUDA; or keep the 4-bit base replicated "
-    "(fully_shard(..., ignored_params=<the 4-bit weights>)) and shard only the adapters - in 4 bits the linear "
-    "layers take about a quarter of their bf16 bytes, so replicating them is often the better deal. Use "
-    "experiments/ddp-ft for QLoRA, or this script for LoRA on a bf16 base."
-)
-
 
 def parse_args():
     p = run.common_parser(__doc__.splitlines()[0], experiment="fsdp-ft")
-    p.add_argument("--qlora", action="store_true", help="refused, with the reason: a 4-bit base does not shard")
+    p.add_argument(
+        "--quant",
+        choices=["none", "nf4"],
+        default="none",
+        help="none: LoRA on a bf16/fp32 base; nf4: QLoRA, the 4-bit base sharded as uint8 bytes (every rank "
+        "quantizes the checkpoint itself)",
+    )
     g = p.add_argument_group("FSDP2")
     g.add_argument(
         "--wrap-class",
@@ -111,8 +106,12 @@ def parse_args():
         "left unchanged (costs a copy of every trainable shard per step; on by itself with that flag)",
     )
     args = run.resolve(p.parse_args())
-    if args.qlora:
-        raise run.RunError(QLORA_REFUSAL)
+    if args.quant == "nf4" and args.cpu_offload:
+        raise run.RunError(
+            "--quant nf4 --cpu-offload: not supported yet. The 4-bit shards would go to the host, each layer's "
+            "quantization state (not a parameter) stays on the GPU; no GPU run has checked that, and a CPU test "
+            "cannot. Drop --cpu-offload: a 4-bit base's shards are a quarter of bf16's already."
+        )
     if args.prefetch < 1:
         raise run.RunError(f"--prefetch must be at least 1 (FSDP2's implicit prefetch), got {args.prefetch}")
     args.param_dtype = args.param_dtype or args.dtype
@@ -192,18 +191,20 @@ def main() -> None:
     # An evaluation forward all-gathers every unit, a collective: every rank must run as many micro-batches.
     eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, rank, world, even=True)
 
-    # ---- model: rank 0 loads the real weights into CPU memory; the other ranks build the same model on the
-    # meta device (shapes, no storage). After sharding, rank 0 broadcasts the weights and each rank keeps only
-    # its shard: no GPU ever holds the whole model, and only rank 0's host memory holds it once, for the load.
-    # (Every rank loading the checkpoint would cost N full copies of host memory.) The attention kernel is
-    # chosen from the training device, so rank 0 building on the CPU runs the same kernel as every other rank.
+    # ---- model: rank 0 loads the real weights into CPU memory, the other ranks build it on the meta device (no
+    # storage); after sharding, rank 0 broadcasts the weights and each rank keeps its shard: no GPU ever holds the
+    # whole model, and only rank 0's host memory holds it, once. The attention kernel is the training device's.
+    # QLoRA (--quant nf4): bitsandbytes quantizes as it loads, and a meta model cannot become Linear4bit layers, so
+    # every rank quantizes the checkpoint itself (the same bytes everywhere) and sharding keeps its 1/N of them.
     attn = models.attention_implementation(device, dtype)
+    if args.quant == "nf4":  # FSDP2 would cast a float storage of the 4-bit bytes: refused before the load
+        models.check_4bit_storage(models.bnb_config(dtype), run.torch_dtype(args.param_dtype))
     with run.rank0_first():
         model = models.load_model(
             args.model,
-            quant="none",
+            quant=args.quant,
             dtype=dtype,
-            device=torch.device("cpu" if rank == 0 else "meta"),
+            device=device if args.quant == "nf4" else torch.device("cpu" if rank == 0 else "meta"),
             seed=args.seed,
             vocab_size=len(tokenizer),
             attn=attn,
@@ -224,28 +225,29 @@ def main() -> None:
                 p.data = p.data.to(dtype)
     counts = models.parameter_counts(model)
     run.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
-    full_weights = model.state_dict() if rank == 0 else {}
+    broadcast = args.quant == "none"  # nf4: every rank holds the weights already
+    full_weights = model.state_dict() if rank == 0 and broadcast else {}
 
     # ---- FSDP2 (shard_model, above): every parameter becomes this rank's 1/N shard (a DTensor), on the meta
     # device too, where only the shapes are split.
     units = shard_model(model, args, device, world)
-    if rank != 0:
-        # Storage for the shards (and the RoPE buffers, recomputed below): offloaded shards live in host memory.
-        model.to_empty(device="cpu" if args.cpu_offload else device)
-    set_model_state_dict(model, full_weights, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    del full_weights
-    # The RoPE frequencies are a non-persistent buffer: not in the state dict, so compute them on every rank.
-    inner = model.base_model.model.model
-    inner.rotary_emb = type(inner.rotary_emb)(config).to(device)
+    if broadcast:
+        if rank != 0:
+            # Storage for the shards (and the RoPE buffers, recomputed below): offloaded shards live in host memory.
+            model.to_empty(device="cpu" if args.cpu_offload else device)
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        set_model_state_dict(model, full_weights, options=options)
+        del full_weights
+        # The RoPE frequencies are a non-persistent buffer: not in the state dict, so compute them on every rank.
+        inner = model.base_model.model.model
+        inner.rotary_emb = type(inner.rotary_emb)(config).to(device)
 
     # What each rank now holds: its shard of every parameter, and what one unit needs unsharded at once.
     def local_bytes(params) -> int:
         return sum(p.to_local().numel() * p.to_local().element_size() for p in params)
 
     param_bytes = local_bytes(model.parameters())
-    unit_bytes = [
-        sum(p.numel() * run.torch_dtype(args.param_dtype).itemsize for p in u.parameters()) for u in [*units, model]
-    ]
+    unit_bytes = [comm.gathered_bytes(u.parameters(), run.torch_dtype(args.param_dtype)) for u in [*units, model]]
     unit_bytes[-1] -= sum(unit_bytes[:-1])  # the root unit: what no layer unit took
     run.print0(f"FSDP units: {len(units)} x {args.wrap_class} + root; per-rank parameter shards: {param_bytes:,} bytes")
 
@@ -367,7 +369,7 @@ def main() -> None:
     if rank != 0:
         return
     theory = comm.fsdp_theory(  # per micro-step: a step all-gathers as often as it has micro-steps
-        (counts["trainable"] + counts["frozen"]) * run.torch_dtype(args.param_dtype).itemsize,
+        sum(unit_bytes),
         sum(unit_bytes[:-1]),
         1,
         args.reshard_after_forward,
@@ -377,7 +379,7 @@ def main() -> None:
     summary = log.run_summary(
         last_step,
         predicted=metrics.predicted_memory(
-            config, args, "fsdp", world_size=world, reshard_after_forward=args.reshard_after_forward
+            config, args, "fsdp", quant=args.quant, world_size=world, reshard_after_forward=args.reshard_after_forward
         ),
         note=metrics.memory_note(device, "param_shard_bytes (exact) and "),
         compile=models.compile_report(compiled),
