@@ -271,3 +271,23 @@ def test_profile_trace_of_every_rank(accum):
         names = {e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]}
         assert any(n.startswith(("aten::mm", "aten::addmm", "aten::linear")) for n in names)
         assert any("allreduce" in n.lower() for n in names)  # the gradient all-reduce, traced
+
+
+def test_the_committed_runs_all_reduce_once_in_the_first_backward():
+    """blogs/ddp.md: in torch 2.15 DDP's first backward has no buckets yet (one all-reduce of every gradient, after
+    the backward), unless find_unused_parameters asks for the initial ones; the committed runs show it, and the
+    tiny-bucket counts the post quotes are those of the steps after it."""
+    from conftest import ROOT
+
+    runs = ROOT / "devlogs" / "runs" / "ddp-ft"
+    counts = {}
+    for run in sorted(p for p in runs.iterdir() if "2proc" in p.name):
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line]
+        counts[run.name] = [r["comm"]["all_reduce"]["count"] for r in rows]
+    assert len(counts) >= 10
+    for name, per_step in counts.items():
+        if "find-unused" not in name and "sync-every" not in name:
+            assert per_step[0] == 1, (name, per_step[:3])
+    assert set(counts["cpu-smoke-2proc-tiny-buckets"][1:]) == {32}
+    assert set(counts["cpu-heavy-2proc-tiny-buckets"][1:]) == {56}
+    assert counts["cpu-heavy-2proc-find-unused-parameters"][0] == 2  # bucketed from the first backward

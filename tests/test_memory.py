@@ -261,3 +261,31 @@ def test_as_dict_is_json_bytes():
     d = json.loads(json.dumps(p.as_dict()))
     assert d["total"] == pytest.approx(sum(v for k, v in d.items() if k != "total"))
     assert p.gib()["total"] == round(p.total / 2**30, 2)
+
+
+def test_the_framework_posts_per_token_items_add_up_to_the_models_layer():
+    """blogs/what-fills-gpu-memory.md lists what a LoRA layer saves per token at Qwen3-4B's shape (bf16, no dropout)
+    item by item; each item is the shape's arithmetic and together they are `layer_activation_bytes`' total."""
+    import re
+    from pathlib import Path
+
+    from ftkit import plan
+    from ftkit.memory import ModelShape, layer_activation_bytes
+
+    post = (Path(__file__).resolve().parents[1] / "blogs" / "what-fills-gpu-memory.md").read_text()
+    found = re.search(
+        r"the four norms ([\d,]+) B, attention \(q, k, v, output, logsumexp\) ([\d,]+),\s+SwiGLU ([\d,]+), the LoRA "
+        r"`A` inputs ([\d,]+) \(q/k/v ([\d,]+), gate/up ([\d,]+), down_proj ([\d,]+)\) and the `B` inputs\s+([\d,]+)\. "
+        r"The sum is \*\*([\d,]+) B",
+        post,
+    )
+    assert found, "the post's per-token list"
+    norms, sdpa, swiglu, lora_a, qkv, gate_up, down, lora_b, total = (int(x.replace(",", "")) for x in found.groups())
+    shape = ModelShape.from_config(plan.model_config("Qwen/Qwen3-4B"))
+    h, i = shape.hidden, shape.intermediate
+    assert (qkv, gate_up, down, swiglu) == (2 * h, 2 * h, 2 * i, 3 * 2 * i)  # bf16 tensors h or i wide
+    assert lora_b == 2 * 16 * 7  # rank 16, seven adapters
+    assert norms == 2 * 4 * (h + 1) + 4 * (shape.q_dim + shape.heads + shape.kv_dim + shape.kv_heads)
+    assert sdpa == 2 * (2 * shape.q_dim + 2 * shape.kv_dim) + 4 * shape.heads
+    assert lora_a == qkv + gate_up + down and norms + sdpa + swiglu + lora_a + lora_b == total
+    assert total == sum(layer_activation_bytes(shape, act_bytes=2))
