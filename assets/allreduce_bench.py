@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from ftkit import comm, metrics
+from ftkit import comm, hardware
 
 SIZES = [4 * 4**k for k in range(12)]  # 4 B .. 16 MiB in steps of 4x
 
@@ -70,8 +70,8 @@ def main() -> None:
         result = {
             "backend": dist.get_backend(),
             "world_size": world,
-            "hardware": metrics.hardware(device, world),
-            "versions": metrics.versions(),
+            "hardware": hardware.describe(device, world),
+            "versions": hardware.versions(),
             "repeats": args.repeats,
             "median_seconds": {str(s): t for s, t in medians.items()},
             "fit": {"alpha_s": alpha, "beta_bytes_per_s": 1 / slope},

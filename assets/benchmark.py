@@ -43,7 +43,7 @@ from pathlib import Path
 
 from devlog_tables import hardware, peak_memory
 
-from ftkit import run as ftrun
+from ftkit import cli, rundir
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPERIMENTS = ("single-gpu-ft", "ddp-ft", "fsdp-ft", "tp-ft", "tp-sp-ft", "pp-ft", "fsdp-tp-ft")
@@ -130,7 +130,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--hf-collators: {args.hf_collators}; known: {', '.join(HF_COLLATORS)} or none")
     if args.nproc < 2 or args.repeats < 1:
         p.error("--nproc must be at least 2 and --repeats at least 1")
-    scale = ftrun.SMOKE if args.smoke else ftrun.REAL
+    scale = cli.SMOKE if args.smoke else cli.REAL
     # A benchmark measures steps, not convergence: fewer than the scripts' default, enough for a median.
     args.max_steps = args.max_steps or (6 if args.smoke else 20)
     for key in ("batch_size", "micro_batch_size", "max_length", "model", "data"):
@@ -138,7 +138,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, key, scale[key])
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     # Absolute: the runs start in the repository root, whatever the directory this command started in.
-    args.runs_dir = (args.runs_dir or ROOT / ftrun.RUNS / "benchmark" / stamp).resolve()
+    args.runs_dir = (args.runs_dir or ROOT / rundir.RUNS / "benchmark" / stamp).resolve()
     return args
 
 
@@ -305,7 +305,7 @@ def report(
             "technique costs on this machine at this size, and say nothing about Qwen3-4B on GPUs; on CPU the "
             "N ranks share the same cores, so N ranks cannot be N times faster here: "
             + "; ".join(sorted({threads(s["hardware"]) for s in summaries}))
-            + " (`ftkit.run.share_cpu_cores`).",
+            + " (`ftkit.ranks.share_cpu_cores`).",
             "",
         ]
     out += [

@@ -26,7 +26,7 @@ LINKS = {
 }
 ASSUMED_MFU = 0.3
 H100_BF16 = hardware.gpu("h100-sxm").bf16_flops
-SEQ, GLOBAL_BATCH, LORA_RANK = 2048, 16, 16  # the real run's defaults (ftkit/run.py REAL)
+SEQ, GLOBAL_BATCH, LORA_RANK = 2048, 16, 16  # the real run's defaults (ftkit/cli.py REAL)
 
 
 def main() -> None:

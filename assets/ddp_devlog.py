@@ -19,7 +19,7 @@ import json
 import statistics
 from pathlib import Path
 
-from ftkit.run import RESUME_MUST_MATCH
+from ftkit.rundir import RESUME_MUST_MATCH
 
 ROOT = Path(__file__).resolve().parents[1]
 RUNS = ROOT / "devlogs" / "runs" / "ddp-ft"

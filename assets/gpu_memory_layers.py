@@ -20,14 +20,14 @@ import sys
 
 import torch
 
-from ftkit import data, metrics, models, realscale, run
+from ftkit import batching, cli, data, lora, metrics, models, realscale
 
 GIB = 2**30
 
 
 def micro_batch(width: int, answer: int, vocab: int, padded: bool, micro_batch_size: int) -> dict:
     """`realscale.synthetic_micro_batch`'s full-length rows; with `padded`, the last row is half as long (right-
-    padded by `data.collate`, as the scripts' batches are)."""
+    padded by `batching.collate`, as the scripts' batches are)."""
     mb = realscale.synthetic_micro_batch(micro_batch_size, width, answer, vocab)
     if not padded:
         return mb
@@ -37,20 +37,20 @@ def micro_batch(width: int, answer: int, vocab: int, padded: bool, micro_batch_s
     ]
     for item in items[-1:]:  # the short row's answer: its own last `answer` tokens
         item.labels[:] = [data.IGNORE_INDEX] * (len(item.labels) - answer) + item.input_ids[-answer:]
-    return data.collate(items)
+    return batching.collate(items)
 
 
 def measure(layers: int, padded: bool, opts: argparse.Namespace) -> dict:
-    script = run.load_experiment("single-gpu-ft")
+    script = cli.load_experiment("single-gpu-ft")
     args = realscale.script_args(script, realscale.parse_args(["--technique", "single", "--quant", "none"]))
-    device, dtype = torch.device("cuda"), run.torch_dtype(args.dtype)
+    device, dtype = torch.device("cuda"), cli.torch_dtype(args.dtype)
     model, _ = realscale.build("single", script, args, 1, device, layers)
     realscale.materialise(model, device)
     with torch.no_grad():  # values do not change what is allocated; finite ones keep the step well defined
         for p in model.parameters():
             p.normal_(0, 0.02)
     config = model.config
-    mb = data.to_device(micro_batch(args.max_length, opts.answer_tokens, config.vocab_size, padded, 2), device)
+    mb = batching.to_device(micro_batch(args.max_length, opts.answer_tokens, config.vocab_size, padded, 2), device)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=args.weight_decay)
     n_target = int((mb["targets"] != data.IGNORE_INDEX).sum()) * opts.micro_steps
@@ -59,11 +59,11 @@ def measure(layers: int, padded: bool, opts: argparse.Namespace) -> dict:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         for _ in range(opts.micro_steps):
-            with models.compute_autocast(device, dtype):
+            with lora.compute_autocast(device, dtype):
                 out = model(
                     input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], logits_to_keep=mb["logit_positions"]
                 )
-                loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                loss = batching.token_loss_sum(out.logits, mb["targets"]) / n_target
             del out
             loss.backward()
         torch.nn.utils.clip_grad_norm_(trainable, args.max_grad_norm)

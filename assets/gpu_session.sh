@@ -197,7 +197,7 @@ status_of() { # status_of RC STDERR_FILE
     elif [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
         echo "timed out"
     elif msg=$(grep -m 1 -E '^(\[[^]]*\]:? ?)?error: ' "$2" 2>/dev/null) && [ -n "$msg" ]; then
-        echo refused # the scripts' own refusal (run.fail): one line, exit 2
+        echo refused # the scripts' own refusal (ranks.fail): one line, exit 2
     else
         echo crashed
     fi

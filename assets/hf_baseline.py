@@ -44,13 +44,13 @@ from transformers import (
     TrainingArguments,
 )
 
-from ftkit import data, metrics, models, run
+from ftkit import batching, cli, data, errors, evaluation, lora, metrics, models, prepare, ranks, rundir
 
 COLLATORS = {"padded": DataCollatorForSeq2Seq, "flatten": DataCollatorWithFlattening}
 
 
 def parse_args():
-    p = run.common_parser(__doc__.splitlines()[0], experiment="hf-baseline")
+    p = cli.common_parser(__doc__.splitlines()[0], experiment="hf-baseline")
     p.add_argument(
         "--collator",
         choices=list(COLLATORS),
@@ -61,18 +61,18 @@ def parse_args():
     )
     args = p.parse_args()
     if "packing" in args.explicit_flags:
-        raise run.RunError("--no-packing: the Hugging Face baseline's layout is --collator (padded or flatten)")
+        raise errors.RunError("--no-packing: the Hugging Face baseline's layout is --collator (padded or flatten)")
     if hasattr(args, "packing"):  # the experiments' flag, recorded as what this collator does
         args.packing = args.collator == "flatten"
     # The baseline runs once, start to end: it has no checkpoints to continue from, and no profiler of ours.
     refused = {"--resume": args.resume, "--stop-after": args.stop_after, "--profile-steps": args.profile_steps}
     for flag, given in refused.items():
         if given is not None:
-            raise run.RunError(f"{flag}: not for the Hugging Face baseline, which runs once from start to end")
-    args = run.resolve(args)
+            raise errors.RunError(f"{flag}: not for the Hugging Face baseline, which runs once from start to end")
+    args = cli.resolve(args)
     if getattr(args, "compile", False):  # the experiments' --compile (on by default on CUDA)
         if "compile" in args.explicit_flags:
-            raise run.RunError("--compile: the Hugging Face baseline runs the Trainer's default, no torch.compile")
+            raise errors.RunError("--compile: the Hugging Face baseline runs the Trainer's default, no torch.compile")
         args.compile = False  # recorded as what the baseline does
     return args
 
@@ -152,7 +152,7 @@ class StepMeter(TrainerCallback):
             num_items_in_batch=None if items is None else int(items),
         )
         if step % self.args.eval_every == 0 or step == self.args.max_steps:
-            sums = run.eval_loss_sums(kwargs["model"], self.eval_batches, self.device, self.dtype)
+            sums = evaluation.loss_sums(kwargs["model"], self.eval_batches, self.device, self.dtype)
             row["eval_loss"] = (sums[0] / sums[1]).item()
         self.log.log(row)
         self._start()
@@ -206,7 +206,7 @@ def differences(trainer: Trainer, args) -> list[str]:
         + (
             "bf16=True, accelerate's autocast around the whole forward; PEFT keeps the adapter weights in fp32 and "
             "casts each projection's input to fp32 before autocast runs the adapter matmuls in bf16 (the project "
-            "skips that cast: models.adapters_compute_in)"
+            "skips that cast: lora.adapters_compute_in)"
             if targs.bf16
             else "fp32 throughout, as the project's --dtype fp32"
         ),
@@ -215,7 +215,7 @@ def differences(trainer: Trainer, args) -> list[str]:
         "has dropout 0)",
         f"activation checkpointing={targs.activation_checkpointing} through the Trainer (non-reentrant), as the "
         "project's --grad-checkpointing; no torch.compile (torch_compile=False, the default)",
-        "eval: the project's own eval (run.eval_loss_sums on the same held-out examples), on the adapter the "
+        "eval: the project's own eval (evaluation.loss_sums on the same held-out examples), on the adapter the "
         "Trainer trained; not Trainer.evaluate",
         "one process, one device (no torchrun): a baseline for the single-process step",
     ]
@@ -234,29 +234,29 @@ TIMING_NOTE = (
 
 def main() -> None:
     args = parse_args()
-    device = run.device_for(args)
-    dtype = run.torch_dtype(args.dtype)
-    run_dir, _ = run.resolve_run_dir(args)
+    device = ranks.device_for(args)
+    dtype = cli.torch_dtype(args.dtype)
+    run_dir, _ = rundir.resolve(args)
     models.fetch(args.model)
 
     # ---- data: the project's examples and global batches, in the order its step k trains on them
     splits = data.load_splits(args.data, args.data_revision)
-    tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
-    accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
+    tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
+    batches = batching.GlobalBatches(train_set, args.batch_size, args.seed)
+    accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
     examples = [
         {"input_ids": train_set[i].input_ids, "labels": train_set[i].labels}
         for step in range(args.max_steps)
         for i in batches.indices(step)
     ]
-    eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
+    eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.micro_batch_size)
 
-    # ---- model: the same base and LoRA init as every technique's (PEFT's get_peft_model with models.lora_config);
+    # ---- model: the same base and LoRA init as every technique's (PEFT's get_peft_model with lora.lora_config);
     # SDPA attention, as the Trainer's users get it by default
     model = models.load_model(
         args.model, quant="none", dtype=dtype, device=device, seed=args.seed, vocab_size=len(tokenizer), attn="sdpa"
     )
-    model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+    model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     counts = models.parameter_counts(model)
     print(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
 
@@ -313,7 +313,7 @@ def main() -> None:
             "torch_compile": targs.torch_compile,
         },
     }
-    log = run.start_log(args, run_dir, device, train_stats, counts, accum, 0, None, model.config, **technique)
+    log = rundir.start_log(args, run_dir, device, train_stats, counts, accum, 0, None, model.config, **technique)
     meter = StepMeter(log, batches, collator, device, eval_batches, dtype, args)
     model.register_forward_pre_hook(meter.record_items, with_kwargs=True)
     trainer.add_callback(meter)
@@ -332,8 +332,8 @@ def main() -> None:
         differences=differences(trainer, args),
         timing_note=TIMING_NOTE,
     )
-    run.finish(args, run_dir, summary, finished=True)
+    rundir.finish(args, run_dir, summary, finished=True)
 
 
 if __name__ == "__main__":
-    run.launch(main)
+    ranks.launch(main)

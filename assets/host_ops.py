@@ -28,8 +28,8 @@ Per micro-batch: the first of a step (no gradient yet) and a later one (its LoRA
 the eager counts of the H100 sessions' code with the counts their profiles recorded
 (devlogs/runs/single-gpu-ft-gpu/profile-*-step2-ops.txt): the ops the profile lists must come out equal.
 
-Compiled (`--compile`, this tree's `models.compile_layers`, inductor): the decoder layers run as compiled graphs and
-this CPU's inductor generates C++ kernels where CUDA's would be Triton ones, so the count of launches is a
+Compiled (`--compile`, this tree's `compilation.compile_layers`, inductor): the decoder layers run as compiled graphs
+and this CPU's inductor generates C++ kernels where CUDA's would be Triton ones, so the count of launches is a
 prediction for CUDA, labelled so: the compiled graphs' kernels (counted with inductor's per-kernel profiling) and
 extern calls (matmuls, SDPA, as aten events), plus the eager ops outside the layers (embedding, final norm, lm_head,
 loss, backward's engine).
@@ -128,21 +128,21 @@ def count(spec: dict) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile
 
-    from ftkit import data, models
+    from ftkit import batching, compilation, data, lora, models
 
     torch.manual_seed(0)
     dtype, dev = torch.bfloat16, torch.device("cpu")
     with mock.patch.dict(models.QWEN3_4B_CONFIG, {**SMALL, "num_hidden_layers": spec["layers"]}):
         model = models.load_model(models.QWEN3_4B_SHAPE, quant=spec["quant"], dtype=dtype, device=dev, seed=0)
-    model = models.freeze_base(model, spec["grad_checkpointing"])
-    model = models.apply_lora(model, 16, 32.0, 0.05, 0)
-    if hasattr(models, "adapters_compute_in"):  # the first session's code computed the adapters in fp32
-        model = models.adapters_compute_in(model, dtype)
+    model = lora.freeze_base(model, spec["grad_checkpointing"])
+    model = lora.apply_lora(model, 16, 32.0, 0.05, 0)
+    if hasattr(lora, "adapters_compute_in"):  # the first session's code computed the adapters in fp32
+        model = lora.adapters_compute_in(model, dtype)
     if spec["compile"]:
         import torch._inductor.config as inductor_config
 
         inductor_config.cpp.enable_kernel_profile = True  # each generated kernel a profiler event
-        models.compile_layers(model, True)
+        compilation.compile_layers(model, True)
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=1e-4, foreach=True)  # foreach: CUDA's default
     model.train()
@@ -152,10 +152,10 @@ def count(spec: dict) -> dict:
         return data.Encoded(ids, [data.IGNORE_INDEX] * (n - 8) + ids[-8:], False)
 
     if spec["layout"] == "packed":  # 2 rows of 64: two examples in the first, one in the second
-        mb = data.collate_packed([[example(40), example(20)], [example(32)]], 64)
+        mb = batching.collate_packed([[example(40), example(20)], [example(32)]], 64)
     else:
-        mb = data.collate([example(40), example(32)])
-    autocast = models.compute_autocast(dev, dtype) if hasattr(models, "compute_autocast") else contextlib.nullcontext()
+        mb = batching.collate([example(40), example(32)])
+    autocast = lora.compute_autocast(dev, dtype) if hasattr(lora, "compute_autocast") else contextlib.nullcontext()
 
     def micro():
         kwargs = dict(input_ids=mb["input_ids"], logits_to_keep=mb["logit_positions"])
@@ -165,7 +165,7 @@ def count(spec: dict) -> dict:
             kwargs.update(position_ids=mb.get("position_ids"), use_cache=False)
         with autocast:
             out = model(**kwargs)
-            loss = data.token_loss_sum(out.logits, mb["targets"]) / 100
+            loss = batching.token_loss_sum(out.logits, mb["targets"]) / 100
         del out
         loss.backward()
 

@@ -33,7 +33,8 @@ from peft.helpers import disable_input_dtype_casting
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RotaryEmbedding
 
-from ftkit.models import QWEN3_4B_CONFIG, TINY_CONFIG, lora_config
+from ftkit.lora import lora_config
+from ftkit.models import QWEN3_4B_CONFIG, TINY_CONFIG
 
 VARIANTS = ("fp32-adapters", "fp32-adapters-tf32", "autocast-bf16", "no-adapters")
 

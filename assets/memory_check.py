@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-from ftkit import data, models, run
+from ftkit import batching, data, models, prepare
 from ftkit.memory import ModelShape, predict
 
 GIB = 2**30
@@ -31,7 +31,7 @@ def main() -> None:
         "--fp32-adapters",
         action="store_true",
         help="the run computed its LoRA adapters in fp32 (PEFT's default; the scripts before they computed them in "
-        "bf16 with models.adapters_compute_in): the memory model's fp32_adapter_compute branch",
+        "bf16 with lora.adapters_compute_in): the memory model's fp32_adapter_compute branch",
     )
     opts = p.parse_args()
     summary = json.loads((opts.run / "summary.json").read_text())
@@ -46,8 +46,8 @@ def main() -> None:
 
     with contextlib.redirect_stdout(sys.stderr):  # stdout is the table alone
         splits = data.load_splits(args.data, args.data_revision)
-        _, train_set, _, _ = run.encode_data(args, splits)
-    batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
+        _, train_set, _, _ = prepare.encode_data(args, splits)
+    batches = batching.GlobalBatches(train_set, args.batch_size, args.seed)
     shape = ModelShape.from_config(models.model_config(args.model, vocab_size=None))
     print("| step | widest micro-batch | answer positions (k) | predicted GiB | measured GiB | measured / predicted |")
     print("|---|---|---|---|---|---|")

@@ -14,7 +14,7 @@ import json
 import statistics
 from pathlib import Path
 
-from ftkit import data, models
+from ftkit import batching, data, models
 
 OUT = Path(__file__).resolve().parents[1] / "devlogs" / "runs" / "data" / "packing-layout.json"
 STEPS = 100  # optimizer steps: about 2.7 epochs of the training split at 16 examples a step
@@ -30,7 +30,7 @@ def main() -> dict:
     for micro in (1, 2, 4):
         row = {"micro_batch_size": micro}
         for name, pack_to in (("packed", 2048), ("padded", None)):
-            batches = data.GlobalBatches(encoded, 16, seed=0, pack_to=pack_to)
+            batches = batching.GlobalBatches(encoded, 16, seed=0, pack_to=pack_to)
             layouts = [batches.layout(step, micro) for step in range(STEPS)]
             row[name] = {
                 "median_micro_steps": statistics.median(x["micro_batches"] for x in layouts),

@@ -31,7 +31,7 @@ if [ "${GPU:-0}" = 1 ]; then
     # Random init with Qwen3-4B's exact config (no download; about 3 minutes on the host CPU per run). QLoRA runs
     # 10 steps (warmup 3) to keep each run inside a 10-minute job on a lent GPU; the per-step rows are what the
     # devlog reads. (The runs with fp32 adapter compute, `*-fp32-adapters`, came from this script before
-    # models.adapters_compute_in; memory_check.py checks them with --fp32-adapters.)
+    # lora.adapters_compute_in; memory_check.py checks them with --fp32-adapters.)
     run gpu-4b-shape-lora-bf16 --model qwen3-4b-shape --quant none --max-steps 20 --eval-every 1000 --save-every 1000
     run gpu-4b-shape-qlora-nf4 --model qwen3-4b-shape --max-steps 10 --warmup-steps 3 --eval-every 1000 \
         --save-every 1000

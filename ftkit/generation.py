@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ftkit import data, models, run
+from ftkit import cli, data, errors, models, ranks, rundir
 
 
 def infer_parser(description: str, experiment: str) -> argparse.ArgumentParser:
@@ -31,14 +31,14 @@ def infer_parser(description: str, experiment: str) -> argparse.ArgumentParser:
 
 
 def run_config(args: argparse.Namespace) -> dict:
-    run_dir = args.run or run.experiment_root(args) / "latest"
+    run_dir = args.run or rundir.experiment_root(args) / "latest"
     cfg_path = run_dir / "config.json"
     if not cfg_path.exists():
         train = f"experiments/{args.experiment}/train.py" + (" --smoke" if args.smoke else "")
-        raise run.RunError(f"no training run at {run_dir} (no config.json): train one first ({train}) or pass --run")
+        raise errors.RunError(f"no training run at {run_dir} (no config.json): train one first ({train}) or pass --run")
     adapter = args.adapter or run_dir / "adapter"
     if not (adapter / "adapter_config.json").exists():
-        raise run.RunError(f"no PEFT adapter at {adapter}: the run did not finish (resume it) or pass --adapter")
+        raise errors.RunError(f"no PEFT adapter at {adapter}: the run did not finish (resume it) or pass --adapter")
     check_adapter(adapter)
     cfg = json.loads(cfg_path.read_text())["args"]
     cfg.update(run_dir=str(run_dir), adapter=str(adapter))
@@ -54,7 +54,7 @@ def check_adapter(adapter: Path) -> None:
         json.loads((adapter / "adapter_config.json").read_text())
         safetensors.torch.load_file(adapter / "adapter_model.safetensors")
     except Exception as e:
-        raise run.CheckpointError(
+        raise errors.CheckpointError(
             f"{adapter}: corrupt or unreadable adapter ({type(e).__name__}: {e}); train again, or pass --adapter "
             "with another run's adapter/"
         ) from e
@@ -103,7 +103,7 @@ def load_for_inference(cfg: dict, device: torch.device):
     splits = data.load_splits(cfg["data"], cfg.get("data_revision"))
     tokenizer = models.load_tokenizer(cfg["model"], data.corpus(splits["train"]))
     formatter = data.ChatFormatter(tokenizer, cfg["max_length"])
-    dtype = run.torch_dtype(cfg["dtype"])
+    dtype = cli.torch_dtype(cfg["dtype"])
     base = models.load_model(
         cfg["model"],
         quant=cfg.get("quant", "none"),
@@ -154,7 +154,7 @@ def infer_main(description: str, experiment: str, finetuned, add_flags=None, che
         args = p.parse_args()
         args.num_examples = args.num_examples or (4 if args.smoke else 20)
         args.max_new_tokens = args.max_new_tokens or (32 if args.smoke else 160)
-        device = run.device_for(args)
+        device = ranks.device_for(args)
         cfg = run_config(args)
         if check:
             check(args, cfg)
@@ -164,5 +164,5 @@ def infer_main(description: str, experiment: str, finetuned, add_flags=None, che
         model = finetuned(base, cfg, args, device)
         tuned_out = summarize(model, tokenizer, formatter, examples, args.max_new_tokens, device)
         report(examples, [ex.answer for ex in examples], base_out, tuned_out, Path(cfg["run_dir"]), args.split)
-    except (run.RunError, run.CheckpointError, data.DataError, models.ModelError) as e:
-        run.fail(str(e))
+    except (errors.RunError, errors.CheckpointError, errors.DataError, errors.ModelError) as e:
+        ranks.fail(str(e))

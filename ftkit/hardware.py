@@ -12,8 +12,13 @@ table does not list gets no peak, and so no MFU, with the reason (`no_peak_reaso
 
 from __future__ import annotations
 
+import os
+import platform
 import re
 from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 
 @dataclass(frozen=True)
@@ -180,3 +185,45 @@ LINKS = {
         Link("ib-hdr", 25e9, 5e-6, "NVIDIA ConnectX-6: InfiniBand HDR 200 Gb/s, one adapter per GPU (DGX A100)"),
     ]
 }
+
+
+def describe(device: torch.device, world_size: int) -> dict:
+    """config.json's record of the machine a run ran on: the device, the ranks and nodes, the host CPU and its
+    threads, and on a GPU its name, memory and CUDA version."""
+    info = {
+        "device": device.type,
+        "world_size": world_size,
+        "nodes": int(os.environ.get("GROUP_WORLD_SIZE", "1")),  # torchrun's agents: one per node
+        "cpu": cpu_model(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+    }
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_memory=props.total_memory, cuda=torch.version.cuda)
+    return info
+
+
+def cpu_model() -> str:
+    """The host CPU's model name (Linux: /proc/cpuinfo), else its architecture. It matters on GPUs too: a step
+    that issues many small ops waits on the host (devlogs/single-gpu-ft.md, "First GPU measurements")."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "transformers", "peft", "bitsandbytes", "accelerate", "datasets", "flash-attn"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out

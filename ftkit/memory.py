@@ -7,7 +7,7 @@ Everything here is arithmetic on the model shape; nothing is measured. The compo
   block of 64 weights, itself quantized to 8 bits with one fp32 constant per 256 absmaxes ("double
   quantization"), i.e. 8/64 + 32/(64*256) = 0.127 bits/param (paper, Sec. 3). Embeddings, the tied
   lm_head and the norms are not quantized (transformers converts the nn.Linear layers but the lm_head)
-  and stay in the compute dtype, as the scripts keep them (`models.freeze_base`); `kbit_upcast` models
+  and stay in the compute dtype, as the scripts keep them (`lora.freeze_base`); `kbit_upcast` models
   peft's `prepare_model_for_kbit_training` instead, which upcasts them to fp32. Under FSDP only the packed codes
   (0.5 B/param, a uint8 parameter) are sharded: the constants are bitsandbytes' `quant_state`, an attribute of
   each `Linear4bit` module, not a parameter, so FSDP2 neither shards nor all-gathers them and every rank keeps
@@ -45,7 +45,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ftkit.models import LORA_TARGETS
+from ftkit.lora import LORA_TARGETS
 
 GIB = 2**30
 FP32 = 4
@@ -205,7 +205,7 @@ def layer_activation_bytes(
       without a padding mask; with one, transformers repeats k, v to all heads first.)
     - SwiGLU: silu saves gate; silu(gate) * up saves both factors: 3ai. No dropout in Qwen3.
     - Frozen base linears save no input (only the weight-gradient needs it). LoRA's A does. The adapters compute
-      in the stream dtype (`models.adapters_compute_in`: autocast, PEFT's fp32 input cast off), so without
+      in the stream dtype (`lora.adapters_compute_in`: autocast, PEFT's fp32 input cast off), so without
       dropout A saves the stream tensor the base reads, one tensor shared by the adapters that read it (q/k/v,
       gate/up; o_proj's input is the SDPA output, saved already). LoRA dropout > 0 gives each adapter its own
       dropout output (a bytes) plus a 1-byte mask. B saves A's output: a*r per adapter.
@@ -215,7 +215,7 @@ def layer_activation_bytes(
     The hidden part (width h: the norms and the q/k/v/gate/up inputs) is replicated under tensor parallelism
     without SP (Korthikanti's 10sbh); the rest is split across TP ranks by heads and intermediate columns.
 
-    fp32_adapter_compute: the adapters as PEFT computes them by default, before `models.adapters_compute_in`
+    fp32_adapter_compute: the adapters as PEFT computes them by default, before `lora.adapters_compute_in`
     (kept for runs measured that way): PEFT casts each adapter's input to the fp32 adapter dtype, a private 4-byte
     copy per adapter on a bf16 stream (one shared tensor on an fp32 stream), its dropout output fp32 too, and B
     saves A's fp32 output, 4r per adapter.
@@ -335,12 +335,12 @@ def predict(
     quant: "nf4" (QLoRA) or "none"; dtype: the base / compute dtype, "bf16" or "fp32".
     lora_dropout > 0 costs activation memory (see `layer_activation_bytes`); full_finetune: the ZeRO baseline;
     fp32_adapter_compute: the adapters computing in fp32 as PEFT does by default (runs measured before the
-    scripts switched to `models.adapters_compute_in`).
+    scripts switched to `lora.adapters_compute_in`).
 
     Assumptions, each a choice the experiment scripts make or a framework default:
     - Activation dtype: `dtype`, except NF4 with `kbit_upcast` (peft's prepare_model_for_kbit_training): the
       upcast fp32 embedding makes the residual stream, and so every activation, fp32 (peft's recipe has no
-      autocast). The LoRA adapters compute in the activation dtype (`models.adapters_compute_in`).
+      autocast). The LoRA adapters compute in the activation dtype (`lora.adapters_compute_in`).
     - Checkpointing is non-reentrant and per decoder layer: each layer keeps its input (a*h per token) and
       backward recomputes one layer at a time, so one layer's full activations count once, at the recompute
       peak, with its backward's gradients.

@@ -23,11 +23,19 @@ from pathlib import Path
 
 import torch
 
+from ftkit.errors import ModelError
+
 TINY = "tiny"
+
+
 QWEN3_4B_SHAPE = "qwen3-4b-shape"
+
+
 QWEN3_4B = "Qwen/Qwen3-4B"
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
 
 # Qwen/Qwen3-4B's config.json (the fields that shape the network).
 QWEN3_4B_CONFIG = dict(
@@ -45,6 +53,8 @@ QWEN3_4B_CONFIG = dict(
     bos_token_id=151643,
     eos_token_id=151645,
 )
+
+
 # KV heads divide by 2 and 4 (tensor-parallel degrees), layers by 2 and 4 (pipeline stages).
 TINY_CONFIG = dict(
     hidden_size=128,
@@ -61,7 +71,10 @@ TINY_CONFIG = dict(
     # norm, so at 0.02 a LoRA-only walkthrough can hardly move the loss below a uniform guess.
     initializer_range=0.1,
 )
+
+
 TINY_VOCAB = 4096
+
 
 # The part of Qwen3's chat template this project uses: system/user/assistant turns and the generation prompt,
 # with Qwen3's empty think block when thinking is switched off.
@@ -163,10 +176,6 @@ def flash_attn_installed() -> bool:
 def _say(message: str) -> None:
     if os.environ.get("RANK", "0") == "0":  # once per run, not once per rank
         print(message, flush=True)
-
-
-class ModelError(ValueError):
-    """The --model given cannot be had; the message says what is wrong and what to do."""
 
 
 # What to do when a model's files cannot be had: ways to the weights, and the two models that need none.
@@ -388,101 +397,6 @@ def load_model(
     return net
 
 
-def freeze_base(model, grad_checkpointing: bool, reentrant: bool = False):
-    """Freeze every base weight and switch on activation checkpointing, for LoRA on a bf16 or a 4-bit base.
-
-    In place of peft's prepare_model_for_kbit_training, which casts every non-4-bit weight to fp32: the tied
-    embedding / lm_head (151936 x 2560) among them, so that the residual stream, the logits and the step's
-    largest matmul would all run in fp32. Here they stay in the compute dtype; Qwen3's RMSNorm already takes its
-    variance in fp32, and the LoRA adapters' weights are fp32 (peft's default; see `adapters_compute_in`)."""
-    for p in model.parameters():
-        p.requires_grad_(False)
-    if grad_checkpointing:
-        checkpoint_activations(model, reentrant)
-        if reentrant:  # the reentrant kind backpropagates only into a checkpoint whose input requires grad
-            model.enable_input_require_grads()
-    return model
-
-
-def checkpoint_activations(model, reentrant: bool = False) -> None:
-    """transformers' activation checkpointing of every decoder layer (torch.utils.checkpoint, non-reentrant unless
-    asked). transformers 5.2x calls it activation_checkpointing_enable, and its old name gradient_checkpointing_enable
-    a deprecated alias that warns; the transformers that Python 3.10 resolves may have the old name only."""
-    kwargs = {"use_reentrant": reentrant}
-    if hasattr(model, "activation_checkpointing_enable"):
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
-def lora_config(rank: int, alpha: float, dropout: float):
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        lora_dropout=dropout,
-        target_modules=list(LORA_TARGETS),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-
-
-def apply_lora(model, rank: int, alpha: float, dropout: float, seed: int):
-    """PEFT LoRA on all seven projections; the adapter's random init (lora_A) is seeded so that every
-    technique starts from the same adapter. The scripts save it with save_embedding_layers=False: the embedding is
-    neither targeted nor resized, and PEFT's default ("auto") looks for the base model's config.json at every save,
-    on the hub unless --model is a local folder (a request for Qwen/Qwen3-4B, a warning for 'tiny')."""
-    from peft import get_peft_model
-
-    torch.manual_seed(seed + 1)
-    return get_peft_model(model, lora_config(rank, alpha, dropout))
-
-
-def adapters_compute_in(model, dtype: torch.dtype):
-    """Let the LoRA adapters compute in the activation dtype while their weights stay fp32, the optimizer's master
-    copy (fp32 gradients). Call once after `apply_lora`, and run every forward under `compute_autocast`.
-
-    PEFT's LoRA forward casts a projection's input to the adapters' dtype: on a bf16 base each adapter would make
-    an fp32 copy of a bf16 activation, apply dropout to it and run two fp32 matmuls off the tensor cores. With that
-    cast switched off, autocast casts the small adapter weights to bf16 instead (once per autocast region).
-    In fp32 nothing changes."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    if dtype != torch.float32:
-        for module in model.modules():
-            if isinstance(module, BaseTunerLayer):
-                module.cast_input_dtype_enabled = False
-    return model
-
-
-def compute_autocast(device: torch.device, dtype: torch.dtype):
-    """The context every training and eval forward runs in, for `adapters_compute_in`: autocast to the compute
-    dtype, which here only changes the LoRA matmuls (the base already is in `dtype`; Qwen3's RMSNorm and RoPE
-    compute in fp32 themselves, the loss takes fp32 logits). Non-reentrant activation checkpointing restores it
-    on recompute. In fp32, no autocast at all."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=dtype)
-
-
-def answer_logits(model, mb: dict) -> torch.Tensor:
-    """The logits the loss needs: the forward of a micro-batch (`data.collate`'s or `data.collate_packed`'s) with
-    the lm_head run on the answer positions only (`logits_to_keep`), so the [micro, seq, vocab] logits of whole
-    sequences are never made. Only the logits are kept of the model's output: once the loss is taken, backward
-    frees them. No attention mask: padded rows are right-padded and attention is causal, so no real token sees a
-    pad (a mask would force SDPA's masked kernel, repeat K and V to every head and cost host syncs); packed rows
-    carry `position_ids` that restart at each example, from which transformers builds the block-diagonal mask,
-    provided there is no KV cache (`use_cache=False`: with one, every example would attend to the ones before)."""
-    out = model(
-        input_ids=mb["input_ids"],
-        position_ids=mb.get("position_ids"),
-        logits_to_keep=mb["logit_positions"],
-        use_cache=False,
-    )
-    return out.logits
-
-
 def check_4bit_storage(quantization_config, param_dtype: torch.dtype) -> None:
     """Before a 4-bit base is loaded for FSDP2: FSDP2 casts every floating parameter to the policy's param_dtype
     before its all-gather and leaves integer ones as they are. bitsandbytes can store the packed 4-bit bytes in a
@@ -510,126 +424,3 @@ def parameter_counts(model) -> dict[str, int]:
         else:
             frozen += n
     return {"trainable": trainable, "frozen": frozen}
-
-
-def merge_adapter(model: str, seed: int, adapter: Path, out: Path, vocab_size: int, dtype: torch.dtype) -> None:
-    """Base + LoRA in one ordinary transformers checkpoint (`out`), built on the CPU with PEFT's own merge, so it
-    is exactly what `PeftModel.merge_and_unload` would give any user; `out/ftkit.json` names the base."""
-    from peft import PeftModel
-
-    base = load_model(model, quant="none", dtype=dtype, device=torch.device("cpu"), seed=seed, vocab_size=vocab_size)
-    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
-    merged.save_pretrained(out)
-    (out / "ftkit.json").write_text(json.dumps({"model": model, "seed": seed}))
-
-
-# ------------------------------------------------------------------------------------------------ compile
-
-COMPILE_BACKEND_ENV = "FTKIT_COMPILE_BACKEND"  # torch.compile's backend [inductor]; the tests also use aot_eager
-MAX_COMPILED_GRAPHS = 3  # what a run may compile (issue 30): the training layer's graph, and a recompile or two
-
-
-def decoder_layers(model) -> list[torch.nn.Module]:
-    """The model's decoder layers (transformers' `GradientCheckpointingLayer`s: `Qwen3DecoderLayer`), in order,
-    wherever a wrapper (PEFT, DDP, FSDP2, a pipeline stage) has put them."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
-
-
-def compile_layers(model, enabled: bool, eager_because: str | None = None) -> dict | None:
-    """--compile: compile each decoder layer in place (regional compilation), after PEFT is applied and before any
-    wrapping that shards or replicates the model; what the run summary reports (`compile_report`).
-
-    Each layer keeps its name, its parameters and its hooks (a PEFT adapter saves as before, FSDP2's and DDP's
-    hooks run outside the compiled code); only its `__call__` runs compiled (`nn.Module.compile`). All the layers
-    run the same code on tensors of the same shapes, and their weights are the compiled function's inputs, not
-    constants, so dynamo traces one layer once and every other layer reuses that graph: one compile for 36 layers.
-    Micro-batches change width from one to the next (packed rows are as wide as the fullest, `data.packed_width`;
-    padded ones as the longest example), so every call marks the sequence's dimensions dynamic
-    (`mark_sequence_dynamic`): one graph whose kernels take the width as an argument, never recompiled for a new
-    one (a static graph would recompile at the second width, and dynamo's automatic dynamic would then compile a
-    second, dynamic graph). Only those sizes: `dynamic=True` would also turn the layer's Python floats (LoRA's
-    scaling, the norms' eps) into tensor inputs, 11 per layer call.
-    `fullgraph=True` makes a graph break an error at the first step instead of a silent slowdown.
-    transformers' non-reentrant activation checkpointing is inside the layer's forward, so it is compiled too
-    (dynamo's `tag_activation_checkpoint`: the backward graph recomputes the layer's forward).
-
-    Only training forwards run compiled (`_CompiledWhenTraining`). An eval forward (the eval loss, generation) runs
-    the eager layer: eval micro-batches are padded to their own longest example, so each new shape (and the switch
-    to eval mode and no-grad) would compile another graph, for a few forwards every --eval-every steps.
-
-    `eager_because`: the technique cannot compile its layers (says why once, and the summary records it)."""
-    if not enabled:
-        return None
-    if eager_because:
-        _say(f"--compile: the decoder layers run eager: {eager_because}")
-        return {"eager": eager_because}
-    backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
-    layers = decoder_layers(model)
-    for layer in layers:
-        layer.compile(backend=backend, fullgraph=True)  # sets layer._compiled_call_impl, which __call__ runs
-        layer._compiled_call_impl = _CompiledWhenTraining(layer, layer._compiled_call_impl)
-    _say(f"--compile: {len(layers)} decoder layers compiled ({backend}); the first step compiles them")
-    return {"backend": backend, "layers": len(layers)}
-
-
-class _CompiledWhenTraining:
-    """A compiled layer's call: the compiled code in training (autograd on, the layer in train mode), the eager
-    layer otherwise (an eval, even one that keeps autograd on, as pp-ft's schedule does), and also under a
-    TorchDispatchMode that watches every op (the sampled steps' collective recording in tp-ft and fsdp-tp-ft, a
-    FlopCounterMode): dynamo does not compile under one, and such a mode must see the eager ops anyway."""
-
-    def __init__(self, layer: torch.nn.Module, compiled):
-        self.layer, self.compiled = layer, compiled
-
-    def __call__(self, *args, **kwargs):
-        from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
-
-        if self.layer.training and torch.is_grad_enabled() and not any_torch_dispatch_mode_on_stack():
-            mark_sequence_dynamic(args, kwargs)
-            return self.compiled(*args, **kwargs)
-        return self.layer._call_impl(*args, **kwargs)
-
-
-def mark_sequence_dynamic(args: tuple, kwargs: dict) -> None:
-    """Mark, in a decoder layer's call, every dimension (past the batch's) as long as the sequence dynamic: the
-    hidden states' [rows, width, hidden], RoPE's cos and sin [rows, width, head_dim], the position ids, a mask's
-    [rows, 1, width, width]. A size that only happens to equal the width is made dynamic too, which the graph
-    computes just as well. `maybe_`: a size the graph needs static stays static (a recompile, which the run's
-    summary would report) instead of an error."""
-    hidden = args[0] if args else kwargs["hidden_states"]
-    width = hidden.shape[1]
-    stack = [*args, *kwargs.values()]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, (tuple, list)):
-            stack.extend(value)
-        elif isinstance(value, torch.Tensor):
-            for dim in range(1, value.dim()):
-                if value.shape[dim] == width:
-                    torch._dynamo.maybe_mark_dynamic(value, dim)
-
-
-def compile_report(compiled: dict | None) -> dict | None:
-    """The summary's `compile`: None without --compile; {"eager": why} where the technique runs eager; else the
-    backend, the layers compiled and dynamo's own counts for this process (rank 0's in a distributed run):
-    `graphs` compiled, `graph_breaks` (0: the layer is one graph) and `recompiles` (0: one graph all run, whatever
-    the widths), with the reasons dynamo gave for any recompile."""
-    if compiled is None or "eager" in compiled:
-        return compiled
-    from torch._dynamo.utils import counters, get_compilation_metrics
-
-    # dynamo's reason for each recompile: the guard that failed (its first line; the rest is the user stack)
-    reasons = [m.recompile_reason.splitlines()[0] for m in get_compilation_metrics() if m.recompile_reason]
-    report = {
-        **compiled,
-        "graphs": counters["stats"]["unique_graphs"],
-        "graph_breaks": sum(counters["graph_break"].values()),
-        "recompiles": len(reasons),
-    }
-    if reasons:
-        report["recompile_reasons"] = reasons
-    if report["graph_breaks"] or report["graphs"] > MAX_COMPILED_GRAPHS:
-        _say(f"--compile: {report}: expected no graph break and at most {MAX_COMPILED_GRAPHS} graphs")
-    return report

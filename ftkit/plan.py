@@ -53,8 +53,8 @@ its host: the GPU computed 3.39 s of a 5.77 s step (devlogs/single-gpu-ft.md). W
 - Step: the host runs ahead of the GPU (`queue`): a micro-batch costs max(host, GPU), the technique's exposed
   communication and bubble on top, as above.
 - Layout: "full" (the default) every row --max-length real tokens, as before; "padded", "packed" and "masked" the
-  AMI training examples (`AMI_LENGTHS`) in the scripts' own global batches (`data.GlobalBatches`, `data.pack`) over
-  an epoch: the step time is their median, tokens/s their real tokens over their time.
+  AMI training examples (`AMI_LENGTHS`) in the scripts' own global batches (`batching.GlobalBatches`,
+  `batching.pack`) over an epoch: the step time is their median, tokens/s their real tokens over their time.
 Without `--host` the host costs nothing and the GPU computes at 40%: the GPU-only model above, whose numbers the
 posts quote. Every output with the host or an AMI layout is labelled a prediction and lists what it assumes.
 """
@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
-from ftkit import comm, data, hardware, metrics, models, run
+from ftkit import batching, comm, data, errors, hardware, metrics, models, ranks
 from ftkit.memory import GIB, NF4_BYTES_PER_PARAM, NF4_PACKED_BYTES, ROW_PARALLEL, ModelShape, lora_params, predict
 
 # The memory model is within 2% of every peak tracked at Qwen3-4B's shape (devlogs/runs/realscale/), and the CUDA
@@ -281,8 +281,8 @@ HOSTS = {
 # The layouts: "full", every row --max-length real tokens (the planner's upper bound before issue 30); "padded", the
 # AMI training examples (AMI_LENGTHS) in the scripts' length-grouped global batches, one example per row, each
 # micro-batch right-padded to its longest (--no-packing); "packed", the same global batches packed into rows of
-# at most --max-length (data.pack, first-fit decreasing), --micro-batch-size rows per micro-batch as wide as the
-# fullest (data.packed_width), each rank the same number of micro-steps; "masked", "padded" as the scripts ran it
+# at most --max-length (batching.pack, first-fit decreasing), --micro-batch-size rows per micro-batch as wide as the
+# fullest (batching.packed_width), each rank the same number of micro-steps; "masked", "padded" as the scripts ran it
 # until issue 30, the padding mask passed (the H100 runs).
 LAYOUTS = ("full", "padded", "packed", "masked")
 # The AMI training examples' token counts (the tiny tokenizer the qwen3-4b-shape runs use; Qwen3's own is not
@@ -349,7 +349,7 @@ class Step:
 
 
 class _Example:
-    """A stand-in for data.Encoded that data.GlobalBatches can sort: its length."""
+    """A stand-in for data.Encoded that batching.GlobalBatches can sort: its length."""
 
     def __init__(self, n: int):
         self.input_ids = range(n)
@@ -357,26 +357,26 @@ class _Example:
 
 def layout_steps(s: Setting, dp: int) -> list[Step]:
     """The optimizer steps the layout gives, each as rank 0's micro-batches: the first `s.steps` (one epoch if None)
-    of the scripts' global batches (data.GlobalBatches at s.seed) for the AMI layouts, one step for "full"."""
+    of the scripts' global batches (batching.GlobalBatches at s.seed) for the AMI layouts, one step for "full"."""
     m, length = s.micro_batch_size, s.max_length
-    accum = data.accumulation_steps(s.batch_size, m, dp)
+    accum = batching.accumulation_steps(s.batch_size, m, dp)
     if s.layout == "full":
         micro = Micro(m, length, m * length)  # the convention's lm_head at every token
         return [Step((micro,) * accum, s.batch_size * length, s.batch_size * length)]
     examples = ami_examples(length)
     lengths = [n for n, _ in examples]
     pack_to = length if s.layout == "packed" else None
-    batches = data.GlobalBatches([_Example(n) for n in lengths], s.batch_size, s.seed, pack_to=pack_to)
+    batches = batching.GlobalBatches([_Example(n) for n in lengths], s.batch_size, s.seed, pack_to=pack_to)
     out = []
     for step in range(batches.per_epoch if s.steps is None else s.steps):
-        rows = batches.rows(step)  # longest first; packed, data.pack's rows
+        rows = batches.rows(step)  # longest first; packed, batching.pack's rows
         per_rank = batches.micro_steps(step, m, dp)
         parts = [rows[j * dp * m : (j * dp + 1) * m] for j in range(per_rank)]  # rank 0's
-        if pack_to:  # each micro-batch as wide as its fullest row, rounded up (data.packed_width)
+        if pack_to:  # each micro-batch as wide as its fullest row, rounded up (batching.packed_width)
             micros = tuple(
                 Micro(
                     m,
-                    data.packed_width([sum(lengths[i] for i in row) for row in p], length),
+                    batching.packed_width([sum(lengths[i] for i in row) for row in p], length),
                     m * max(sum(examples[i][1] for i in row) for row in p),
                 )
                 for p in parts
@@ -455,11 +455,11 @@ def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> di
     used = dp * tp * pp
     try:
         if tp > 1:
-            run.check_tp_degree(cfg, tp)
+            ranks.check_tp_degree(cfg, tp)
         if shape.layers % pp:
             raise ValueError(f"{pp} pipeline stages do not divide the model's {shape.layers} layers evenly")
-        accum = data.accumulation_steps(s.batch_size, s.micro_batch_size, dp)
-    except (ValueError, run.RunError, data.DataError) as e:
+        accum = batching.accumulation_steps(s.batch_size, s.micro_batch_size, dp)
+    except (ValueError, errors.RunError, errors.DataError) as e:
         return {**row, "refused": str(e)}
     memory = predict(
         shape,
@@ -715,8 +715,9 @@ def prediction_notes(s: Setting, rows: list[dict]) -> list[str]:
         "padded": "the AMI training examples (AMI_LENGTHS: the tiny tokenizer's counts) in the scripts' "
         f"length-grouped global batches (seed {s.seed}), one example per row, each micro-batch right-padded to its "
         "longest (--no-packing)",
-        "packed": f"the same global batches packed first-fit decreasing into rows of up to {s.max_length} (data.pack), "
-        f"{s.micro_batch_size} rows a micro-batch as wide as the fullest (data.packed_width), every rank the same "
+        "packed": f"the same global batches packed first-fit decreasing into rows of up to {s.max_length} "
+        "(batching.pack), "
+        f"{s.micro_batch_size} rows a micro-batch as wide as the fullest (batching.packed_width), every rank the same "
         "micro-steps; the attention kernel computes each whole row (SDPA with the block-diagonal mask)",
         "masked": "padded as the scripts ran it until issue 30, the padding mask passed (the committed H100 runs)",
     }[s.layout]
@@ -847,7 +848,7 @@ def main(argv: list[str] | None = None) -> dict:
     gpu = hardware.gpu(args.gpu)
     try:
         config = model_config(args.model)
-    except models.ModelError as e:
+    except errors.ModelError as e:
         p.error(str(e))  # one line and exit code 2, as a bad flag
     setting = Setting(
         config=config,

@@ -61,7 +61,7 @@ from unittest import mock
 
 import torch
 
-from ftkit import comm, data, memory, metrics, models, run
+from ftkit import batching, cli, comm, data, errors, hardware, lora, memory, metrics, models, optim, ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = {
@@ -176,7 +176,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if opts.world < 1 or (opts.technique == "single" and opts.world != 1):
         raise RealScaleError(f"--world {opts.world}: single runs on one device (--world 1); the others take 1 or more")
     if opts.technique in TENSOR_PARALLEL:
-        run.check_tp_degree(models.model_config(models.QWEN3_4B_SHAPE), opts.world)
+        ranks.check_tp_degree(models.model_config(models.QWEN3_4B_SHAPE), opts.world)
     if opts.layers is not None and not 1 <= opts.layers <= models.QWEN3_4B_CONFIG["num_hidden_layers"]:
         raise RealScaleError(f"--layers must be in 1..{models.QWEN3_4B_CONFIG['num_hidden_layers']}, got {opts.layers}")
     if opts.micro_steps is not None and opts.micro_steps < 2:
@@ -187,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def script_args(script, opts: argparse.Namespace) -> argparse.Namespace:
-    """The flags the script would run with: its own parser and defaults (`run.resolve`), given this command's."""
+    """The flags the script would run with: its own parser and defaults (`cli.resolve`), given this command's."""
     argv = ["train.py", "--model", models.QWEN3_4B_SHAPE, "--no-progress"]
     for key in PASSED_ON:
         if getattr(opts, key) is not None:
@@ -213,7 +213,7 @@ def script_args(script, opts: argparse.Namespace) -> argparse.Namespace:
 def configure(opts: argparse.Namespace) -> tuple:
     """The script, its flags and the rank this process plays; every refusal (the script's own included) raised
     here, before any model is built. pp: the script's refusal of stages that do not split the layers evenly."""
-    script = run.load_experiment(SCRIPTS[opts.technique])
+    script = cli.load_experiment(SCRIPTS[opts.technique])
     args = script_args(script, opts)
     rank = 0
     if opts.technique == "pp":
@@ -230,14 +230,14 @@ def refusal(argv: list[str]) -> str | None:
     """Why this command refuses `argv`, or None if it would run it."""
     try:
         configure(parse_args(argv))
-    except (RealScaleError, run.RunError, data.DataError) as e:
+    except (RealScaleError, errors.RunError, errors.DataError) as e:
         return str(e)
     return None
 
 
 def synthetic_micro_batch(micro_batch_size: int, length: int, answer: int, vocab: int) -> dict:
     """Full-length sequences whose last `answer` tokens are the answer, collated as the scripts collate AMI
-    examples (`data.collate`), so `logit_positions` and `targets` are built the same way. Token ids are random."""
+    examples (`batching.collate`), so `logit_positions` and `targets` are built the same way. Token ids are random."""
     if not 0 < answer < length:
         raise RealScaleError(f"--answer-tokens must be in 1..{length - 1} (--max-length {length}), got {answer}")
     g = torch.Generator().manual_seed(0)
@@ -246,7 +246,7 @@ def synthetic_micro_batch(micro_batch_size: int, length: int, answer: int, vocab
         ids = torch.randint(0, vocab, (length,), generator=g).tolist()
         labels = [data.IGNORE_INDEX] * (length - answer) + ids[length - answer :]
         items.append(data.Encoded(input_ids=ids, labels=labels, trimmed=False))
-    return data.collate(items)
+    return batching.collate(items)
 
 
 def causal_pairs(s_q: int, s_k: int) -> int:
@@ -346,7 +346,7 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
     """The model as the script builds it, on the meta device (shapes only), and for FSDP sharded by the script's
     own `shard_model`, for TP by its own `lora_aware_plan`, for TP+SP by its own `parallelize`; (model, parameter
     counts: the whole model's)."""
-    dtype = run.torch_dtype(args.dtype)
+    dtype = cli.torch_dtype(args.dtype)
     shape = {} if layers is None else {"num_hidden_layers": layers}
     with mock.patch.dict(models.QWEN3_4B_CONFIG, shape):
         model = models.load_model(
@@ -356,8 +356,8 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
         if args.quant == "nf4":
             quantize_meta(model, dtype)
         if args.grad_checkpointing:
-            models.checkpoint_activations(model)
-        model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+            lora.checkpoint_activations(model)
+        model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
         counts = models.parameter_counts(model)
         if args.quant == "nf4":
             pack_meta(model)  # the script shards the loaded (quantized) weights: their packed uint8 codes
@@ -367,38 +367,38 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
         from torch.distributed.tensor.parallel import parallelize_module
 
         if args.grad_checkpointing:
-            models.checkpoint_activations(model)
-        model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
-        model = models.adapters_compute_in(model, dtype)
+            lora.checkpoint_activations(model)
+        model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+        model = lora.adapters_compute_in(model, dtype)
         counts = models.parameter_counts(model)
         mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
         for layer in model.base_model.model.model.layers:
             parallelize_module(layer, mesh, script.lora_aware_plan())
         for name, p in model.named_parameters():
             p.requires_grad_("lora_" in name)
-    elif technique == "pp":  # as experiments/pp-ft/train.py (run.load_lora_model): checkpointing, PEFT; its stages
+    elif technique == "pp":  # as experiments/pp-ft/train.py (prepare.load_lora_model): checkpointing, PEFT; its stages
         # are cut from the model once it has storage (`pipeline`), as the script cuts them from the loaded model
         if args.grad_checkpointing:
-            models.checkpoint_activations(model)
-        model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
-        model = models.adapters_compute_in(model, dtype)
+            lora.checkpoint_activations(model)
+        model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+        model = lora.adapters_compute_in(model, dtype)
         counts = models.parameter_counts(model)
     elif technique == "tp-sp":  # as experiments/tp-sp-ft/train.py: checkpointing, PEFT, then its parallel linears
         import torch.distributed as dist
 
         if args.grad_checkpointing:
-            models.checkpoint_activations(model)
-        model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+            lora.checkpoint_activations(model)
+        model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
         counts = models.parameter_counts(model)
         script.parallelize(model, world, 0, dist.group.WORLD, args.sequence_parallel)
     else:  # as experiments/single-gpu-ft and ddp-ft/train.py
         if args.quant == "nf4":
             quantize_meta(model, dtype)
-        model = models.freeze_base(
+        model = lora.freeze_base(
             model, args.grad_checkpointing, reentrant=getattr(args, "reentrant_checkpointing", False)
         )
-        model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
-        model = models.adapters_compute_in(model, dtype)
+        model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+        model = lora.adapters_compute_in(model, dtype)
         counts = models.parameter_counts(model)
     return model, counts
 
@@ -554,7 +554,7 @@ def pipeline(script, model, args, world: int, device: torch.device, microbatches
         # pp-ft's loss_fn (a closure in its main), restated: the lm_head at the answer positions of the last
         # stage's output, the token-loss sum over the global batch's target tokens.
         logits = module.logits(hidden, target[:, 0])
-        return data.token_loss_sum(logits, target[:, 1]) / denominator
+        return batching.token_loss_sum(logits, target[:, 1]) / denominator
 
     schedule = script.SCHEDULES[args.schedule](stage, n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
     return module, stage, schedule
@@ -569,10 +569,10 @@ def measure(opts: argparse.Namespace) -> dict:
     pp = technique == "pp"
     script, args, rank = configure(opts)
     device = torch.device("cpu")
-    dtype = run.torch_dtype(args.dtype)
+    dtype = cli.torch_dtype(args.dtype)
     # TP splits the layers, PP the depth, not the batch; PP's accumulation steps are the pipeline's micro-batches
     dp = 1 if technique in ("single", *TENSOR_PARALLEL, "pp") else world
-    accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=dp)
+    accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=dp)
     stand_ins: list[str] = [
         "tensors on the CPU device under FakeTensorMode (faking CUDA fails at FSDP2's CUDA streams): attention is "
         "PyTorch SDPA's CPU flash kernel (the scripts' choice on a GPU without flash-attn is SDPA's CUDA kernels), "
@@ -580,7 +580,7 @@ def measure(opts: argparse.Namespace) -> dict:
         f"a synthetic batch: {args.micro_batch_size} x {args.max_length} random tokens per micro-batch, every "
         f"sequence full length, the last {opts.answer_tokens} positions the answer (loss and lm_head)",
         (
-            "the training loop's step (the script's schedule.step under autocast, run.clip_grads_over_ranks, AdamW "
+            "the training loop's step (the script's schedule.step under autocast, optim.clip_grads_over_ranks, AdamW "
             "step, zero_grad) is restated here from the script, and so is its loss function (pp-ft's loss_fn, a "
             "closure in its main: the last stage's lm_head at the answer positions, token_loss_sum over the global "
             "batch's target tokens), given to the schedule without the script's timer around it"
@@ -613,7 +613,7 @@ def measure(opts: argparse.Namespace) -> dict:
             "(the last stage's loss and lm_head)"
         )
     if technique == "tp-sp":  # as tp-sp-ft pads: sequence parallelism splits the sequence into equal parts
-        mb = data.pad_to_multiple(mb, world)
+        mb = batching.pad_to_multiple(mb, world)
     runs = min(accum, opts.micro_steps or accum)  # micro-steps run per optimizer step (pp: in one schedule.step)
     if runs < accum:
         stand_ins.append(
@@ -704,28 +704,28 @@ def measure(opts: argparse.Namespace) -> dict:
             )
             if pp:  # pp-ft's step: the schedule runs every micro-batch's forward and backward, under autocast
                 inputs = [mb["input_ids"]] if stage.is_first else []
-                with models.compute_autocast(device, dtype):
+                with lora.compute_autocast(device, dtype):
                     schedule.step(*inputs, target=mb["target"] if stage.is_last else None, losses=[])
                 return
             if technique == "fsdp":  # experiments/fsdp-ft/train.py's micro-step: FSDP2 casts, no autocast
                 model.set_requires_gradient_sync(sync)
                 out = model(**kwargs)
-                loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                loss = batching.token_loss_sum(out.logits, mb["targets"]) / n_target
                 del out
                 (loss * world).backward()
                 return
             if technique == "tp-sp":  # tp-sp-ft's: bf16 base, its linears cast the adapters; the same loss everywhere
                 out = model(**kwargs)
-                loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                loss = batching.token_loss_sum(out.logits, mb["targets"]) / n_target
                 del out
                 loss.backward()
                 return
             # single-gpu-ft / ddp-ft / tp-ft: the adapters compute in bf16 under autocast; DDP accumulates under
             # no_sync; TP runs the whole batch on every rank (dp 1)
             with model.no_sync() if ddp and not sync else contextlib.nullcontext():
-                with models.compute_autocast(device, dtype):
+                with lora.compute_autocast(device, dtype):
                     out = model(**kwargs)
-                    loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                    loss = batching.token_loss_sum(out.logits, mb["targets"]) / n_target
                 del out
                 (loss * dp).backward()
 
@@ -734,9 +734,9 @@ def measure(opts: argparse.Namespace) -> dict:
                 script.clip_grads(trainable, args.max_grad_norm)
             elif technique == "tp-sp":  # tp-sp-ft also sums the replicated LoRA gradients' shares first
                 script.sync_replicated_grads(replicated, dist.group.WORLD)
-                run.clip_grads_over_ranks(trainable, args.max_grad_norm, dist.group.WORLD, replicated)
+                optim.clip_grads_over_ranks(trainable, args.max_grad_norm, dist.group.WORLD, replicated)
             elif pp:  # each rank holds its stages' share of the gradients
-                run.clip_grads_over_ranks(trainable, args.max_grad_norm)
+                optim.clip_grads_over_ranks(trainable, args.max_grad_norm)
             else:
                 torch.nn.utils.clip_grad_norm_(
                     trainable, args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
@@ -918,7 +918,7 @@ def measure(opts: argparse.Namespace) -> dict:
         "bf16_matmul_fraction": dtypes.by_dtype.get("bfloat16", 0) / matmul_total if matmul_total else None,
         "matmul_flops_by_dtype": {k: v * scale for k, v in sorted(dtypes.by_dtype.items())},
         "stand_ins": stand_ins,
-        "versions": metrics.versions(),
+        "versions": hardware.versions(),
         "seconds": round(elapsed, 1),
     }
 
@@ -931,27 +931,27 @@ def collective_theory(
     if technique == "fsdp":  # as fsdp-ft's summary: floating parameters in --param-dtype, 4-bit codes as stored
         from torch.distributed.fsdp import FSDPModule
 
-        param_dtype = run.torch_dtype(args.param_dtype)
+        param_dtype = cli.torch_dtype(args.param_dtype)
         layer_units = [m for m in model.modules() if isinstance(m, FSDPModule) and m is not model]
         return comm.fsdp_theory(
             comm.gathered_bytes(model.parameters(), param_dtype),
             sum(comm.gathered_bytes(unit.parameters(), param_dtype) for unit in layer_units),
             micro_steps,
             args.reshard_after_forward,
-            counts["trainable"] * run.torch_dtype(args.reduce_dtype).itemsize,
+            counts["trainable"] * cli.torch_dtype(args.reduce_dtype).itemsize,
             world,
         )
     # pp-ft's activation_bytes_per_microbatch, once per micro-batch: stage 0 sends each one's output forward, the
     # last stage its input gradient backward, both [micro, seq, hidden] in the compute dtype.
     if technique == "pp":
-        return {"send": mb["input_ids"].numel() * config.hidden_size * run.torch_dtype(args.dtype).itemsize}
+        return {"send": mb["input_ids"].numel() * config.hidden_size * cli.torch_dtype(args.dtype).itemsize}
     if technique == "ddp":  # ddp-ft's summary: the trainable gradients, once per optimizer step (no_sync before)
         return {"all_reduce": comm.nbytes([p for p in model.parameters() if p.requires_grad])}
     # The TP scripts' row: the step's block-boundary activations [micro, seq, hidden], summed over its micro-batches.
     hidden = config.hidden_size
     row = {
         "comm": {},
-        "activation_bytes": micro_steps * mb["input_ids"].numel() * hidden * run.torch_dtype(args.dtype).itemsize,
+        "activation_bytes": micro_steps * mb["input_ids"].numel() * hidden * cli.torch_dtype(args.dtype).itemsize,
     }
     if technique == "tp":
         return {"all_reduce": comm.tp_all_reduce_theory(config, args, [row], world)}
@@ -1223,7 +1223,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         opts = parse_args(argv)
         result = measure(opts)
-    except (RealScaleError, run.RunError, data.DataError) as e:
+    except (RealScaleError, errors.RunError, errors.DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(result, indent=2) if opts.json else table(result))

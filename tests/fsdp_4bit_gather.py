@@ -19,16 +19,16 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from ftkit import models, run  # noqa: E402
+from ftkit import lora, models, ranks  # noqa: E402
 
 
 def main(out: Path) -> None:
     dist.init_process_group("gloo")
     script = runpy.run_path(str(ROOT / "experiments" / "fsdp-ft" / "train.py"))
     device = torch.device("cpu")
-    with run.rank0_first():  # rank 0 builds the tiny checkpoint in the cache, then every rank quantizes it
+    with ranks.rank0_first():  # rank 0 builds the tiny checkpoint in the cache, then every rank quantizes it
         model = models.load_model("tiny", quant="nf4", dtype=torch.float32, device=device, seed=0)
-    model = models.apply_lora(model, 8, 16.0, 0.0, seed=0)
+    model = lora.apply_lora(model, 8, 16.0, 0.0, seed=0)
     quantized = {  # each 4-bit weight's bytes and its quantization state (absmax per block, code, shape)
         name: (module, module.weight.detach().clone(), module.weight.quant_state)
         for name, module in model.named_modules()

@@ -11,18 +11,18 @@ import runpy
 import signal
 import sys
 
-from ftkit import run
+from ftkit import checkpoint, ranks
 
 step, attempt, script = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
-commit = run.commit_checkpoint
+commit = checkpoint.commit
 
 
 def dying_commit(tmp, at_step, state, keep):
-    if at_step == step and run.restart_count() == attempt:
+    if at_step == step and ranks.restart_count() == attempt:
         os.kill(os.getpid(), signal.SIGKILL)
     return commit(tmp, at_step, state, keep)
 
 
-run.commit_checkpoint = dying_commit
+checkpoint.commit = dying_commit
 sys.argv = [script, *sys.argv[4:]]
 runpy.run_path(script, run_name="__main__")

@@ -213,7 +213,7 @@ def _rank_logs(log_dir: Path) -> dict[int, dict[str, str]]:
 
 def refused(monkeypatch, script: str, *argv: str, world: int | None = None) -> str:
     """`script`'s main() run in this process with `argv` (as rank 0 of `world` torchrun ranks, if given): the
-    message of the error it stops with (a RunError, DataError, ModelError or CheckpointError, which run.launch prints
+    message of the error it stops with (a RunError, DataError, ModelError or CheckpointError, which ranks.launch prints
     on rank 0 alone as one line with exit code 2; test_ddp.py checks that in a real launch). A script that starts
     its process group before refusing fails here: bad flags are refused before any rank waits on another.
     In-process, so that each check does not pay for importing torch again."""
@@ -222,7 +222,7 @@ def refused(monkeypatch, script: str, *argv: str, world: int | None = None) -> s
     import pytest
     import torch.distributed as dist
 
-    from ftkit import data, models, run
+    from ftkit import errors
 
     if world is not None:
         for key in ("RANK", "LOCAL_RANK"):
@@ -236,7 +236,7 @@ def refused(monkeypatch, script: str, *argv: str, world: int | None = None) -> s
     monkeypatch.setattr(dist, "init_process_group", no_group)
     monkeypatch.setattr(sys, "argv", [script, *argv])
     main = runpy.run_path(str(ROOT / script))["main"]
-    with pytest.raises((run.RunError, data.DataError, models.ModelError, run.CheckpointError)) as error:
+    with pytest.raises((errors.RunError, errors.DataError, errors.ModelError, errors.CheckpointError)) as error:
         main()
     return str(error.value)
 

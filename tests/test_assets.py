@@ -44,7 +44,7 @@ def test_memory_model_matches_the_committed_h100_runs(run: str, flags: list[str]
     prediction for that step's batch (the devlog quotes 0.958..1.032 for the runs with bf16 adapter compute,
     0.956..1.046 for the earlier ones with fp32 adapters: below 1 at step 1 only, whose peak comes before AdamW's
     state exists; above it, what CUDA allocates that the model leaves out). The `-fp32-adapters` runs predate
-    models.adapters_compute_in and check the model's fp32_adapter_compute branch. A change to ftkit/memory.py
+    lora.adapters_compute_in and check the model's fp32_adapter_compute branch. A change to ftkit/memory.py
     that breaks the one-GPU prediction fails here against real GPU measurements."""
     # In this process (runpy, as `python assets/memory_check.py ...` runs it): the imports are paid once.
     monkeypatch.setattr(sys, "argv", ["memory_check.py", str(GPU_RUNS / run), "--data", "qmsum-ami", *flags])
@@ -100,10 +100,10 @@ def test_each_decoder_layer_costs_on_the_h100_what_the_memory_model_says():
     must be what the memory model says a layer adds (to 0.5%), and the model must stay a floor under each peak,
     less than 150 MiB below it: what CUDA adds is a constant of the step, not a per-layer term (the devlog says
     what it is: 64-66 MiB, 72 MiB more with a padded row; without cuBLAS's workspace, under 8 MiB unpadded)."""
-    from ftkit import metrics, models, realscale, run
+    from ftkit import cli, metrics, models, realscale
 
     args = realscale.script_args(
-        run.load_experiment("single-gpu-ft"), realscale.parse_args(["--technique", "single", "--quant", "none"])
+        cli.load_experiment("single-gpu-ft"), realscale.parse_args(["--technique", "single", "--quant", "none"])
     )
     rows = [json.loads(line) for line in (GPU_EXTRA / "gpu-memory-layers.jsonl").read_text().splitlines()]
     runs = [r for r in rows if "layers" in r]

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import get_cosine_schedule_with_warmup
 
-from ftkit import run
+from ftkit import checkpoint, cli, errors, rundir
 
 
 class Payload:
@@ -32,32 +32,32 @@ def test_the_scripts_checkpoint_files_load_as_data(tmp_path):
     scheduler = get_cosine_schedule_with_warmup(optimizer, 3, 10)
     scheduler.step()
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp_path / "optimizer.pt")
-    state = run.load_torch(tmp_path / "optimizer.pt")
+    state = checkpoint.load_torch(tmp_path / "optimizer.pt")
     assert state["scheduler"]["last_epoch"] == 1 and torch.equal(
         state["optimizer"]["state"][0]["exp_avg"], optimizer.state_dict()["state"][0]["exp_avg"]
     )
-    torch.save(run.rng_state(), tmp_path / "rng.pt")
+    torch.save(checkpoint.rng_state(), tmp_path / "rng.pt")
     first = random.random(), torch.rand(1).item()
-    run.set_rng_state(run.load_torch(tmp_path / "rng.pt"))
+    checkpoint.set_rng_state(checkpoint.load_torch(tmp_path / "rng.pt"))
     assert (random.random(), torch.rand(1).item()) == first  # the restored state draws the same numbers again
 
 
 def test_a_pickle_that_runs_code_is_refused_and_never_runs(tmp_path):
     marker = tmp_path / "payload-ran"
     torch.save({"optimizer": Payload(marker)}, tmp_path / "optimizer.pt")
-    with pytest.raises(run.CheckpointError, match="refused, it holds objects other than tensors and plain data"):
-        run.load_torch(tmp_path / "optimizer.pt")
+    with pytest.raises(errors.CheckpointError, match="refused, it holds objects other than tensors and plain data"):
+        checkpoint.load_torch(tmp_path / "optimizer.pt")
     assert not marker.exists()
 
 
 def test_a_corrupt_file_is_reported_as_corrupt(tmp_path):
     (tmp_path / "rng.pt").write_bytes(b"garbage")
-    with pytest.raises(run.CheckpointError, match="corrupt or unreadable"):
-        run.load_torch(tmp_path / "rng.pt")
+    with pytest.raises(errors.CheckpointError, match="corrupt or unreadable"):
+        checkpoint.load_torch(tmp_path / "rng.pt")
 
 
-# ---- torchrun --max-restarts: what a restarted worker group decides about its run directory (run.follow_restart,
-# run.resolve_run_dir), with the variables torchrun sets. tests/test_ddp.py kills real ranks.
+# ---- torchrun --max-restarts: what a restarted worker group decides about its run directory (rundir.follow_restart,
+# rundir.resolve), with the variables torchrun sets. tests/test_ddp.py kills real ranks.
 
 
 def restarted_args(monkeypatch, output_dir, restart: int, run_id: str = "launch-1"):
@@ -65,7 +65,7 @@ def restarted_args(monkeypatch, output_dir, restart: int, run_id: str = "launch-
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", str(restart))
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", run_id)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")  # torchrun under TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
-    args = run.common_parser("test", experiment="ddp-ft").parse_args(
+    args = cli.common_parser("test", experiment="ddp-ft").parse_args(
         ["--smoke", "--output-dir", str(output_dir), "--max-steps", "6"]
     )
     return args
@@ -90,39 +90,39 @@ def earlier_attempt(run_dir: pathlib.Path, run_id: str, checkpoint_step: int | N
 def test_max_restarts_needs_a_run_directory(monkeypatch, tmp_path):
     args = restarted_args(monkeypatch, tmp_path, restart=0)
     args.output_dir = None
-    with pytest.raises(run.RunError, match="--output-dir DIR"):
-        run.follow_restart(args)
+    with pytest.raises(errors.RunError, match="--output-dir DIR"):
+        rundir.follow_restart(args)
 
 
 def test_max_restarts_needs_a_fresh_store_for_each_restart(monkeypatch, tmp_path):
     args = restarted_args(monkeypatch, tmp_path, restart=0)
     monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")  # torchrun's default: one store for every attempt
-    with pytest.raises(run.RunError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 uv run torchrun --max-restarts=3"):
-        run.follow_restart(args)
+    with pytest.raises(errors.RunError, match="TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 uv run torchrun --max-restarts=3"):
+        rundir.follow_restart(args)
 
 
 def test_a_restarted_group_continues_from_its_newest_complete_checkpoint(monkeypatch, tmp_path):
     earlier_attempt(tmp_path / "r", "launch-1", checkpoint_step=2)
-    args = run.resolve(restarted_args(monkeypatch, tmp_path / "r", restart=1))
+    args = cli.resolve(restarted_args(monkeypatch, tmp_path / "r", restart=1))
     assert args.resume == str(tmp_path / "r")
-    assert run.resolve_run_dir(args) == ((tmp_path / "r").resolve(), (tmp_path / "r/checkpoints/step-2").resolve())
+    assert rundir.resolve(args) == ((tmp_path / "r").resolve(), (tmp_path / "r/checkpoints/step-2").resolve())
 
 
 def test_a_group_restarted_before_any_checkpoint_starts_again_and_keeps_the_old_rows(monkeypatch, tmp_path):
     earlier_attempt(tmp_path / "r", "launch-1", checkpoint_step=None)
-    args = run.resolve(restarted_args(monkeypatch, tmp_path / "r", restart=1))
+    args = cli.resolve(restarted_args(monkeypatch, tmp_path / "r", restart=1))
     assert args.resume is None
-    assert run.resolve_run_dir(args) == (tmp_path / "r", None)
+    assert rundir.resolve(args) == (tmp_path / "r", None)
     assert (tmp_path / "r" / "metrics.before-restart-1.jsonl").read_text().count("step") == 2
     assert not (tmp_path / "r" / "metrics.jsonl").exists()
 
 
 def test_a_restart_never_takes_over_a_run_another_launch_started(monkeypatch, tmp_path):
     earlier_attempt(tmp_path / "r", "another-launch", checkpoint_step=2)
-    args = run.resolve(restarted_args(monkeypatch, tmp_path / "r", restart=1))
+    args = cli.resolve(restarted_args(monkeypatch, tmp_path / "r", restart=1))
     assert args.resume is None
-    with pytest.raises(run.RunError, match="already holds a run"):
-        run.resolve_run_dir(args)
+    with pytest.raises(errors.RunError, match="already holds a run"):
+        rundir.resolve(args)
 
 
 @pytest.fixture
@@ -141,9 +141,9 @@ def test_a_run_directory_some_node_cannot_see_is_refused(one_rank_group, tmp_pat
 
     (tmp_path / "shared").mkdir()
     (tmp_path / "shared" / "config.json").write_text("{}")
-    run.check_shared_run_dir(tmp_path / "shared")
-    with pytest.raises(run.RunError, match="storage that every node shares") as refused:
-        run.check_shared_run_dir(tmp_path / "node-local")
+    rundir.check_shared_run_dir(tmp_path / "shared")
+    with pytest.raises(errors.RunError, match="storage that every node shares") as refused:
+        rundir.check_shared_run_dir(tmp_path / "node-local")
     assert socket.gethostname() in str(refused.value)
 
 
@@ -186,12 +186,12 @@ def test_a_resume_continues_this_ranks_own_gpu_stream_on_another_layout(monkeypa
     # on cuda:<current> (another node, another CUDA_VISIBLE_DEVICES).
     saving = FakeCudaRng(visible=8, current=5)
     saving.install(monkeypatch)
-    torch.save(run.rng_state(), tmp_path / "rng.pt")
+    torch.save(checkpoint.rng_state(), tmp_path / "rng.pt")
     own_stream = saving.states[5].clone()
 
     resuming = FakeCudaRng(visible=visible, current=current)
     resuming.install(monkeypatch)
-    run.set_rng_state(run.load_torch(tmp_path / "rng.pt"))
+    checkpoint.set_rng_state(checkpoint.load_torch(tmp_path / "rng.pt"))
     assert torch.equal(resuming.states[current], own_stream)  # this rank's dropout stream goes on where it stopped
 
 
@@ -211,16 +211,16 @@ def test_a_checkpoint_saved_on_another_gpu_loads_where_that_gpu_does_not_exist(t
     with CudaTagged():
         torch.save({"exp_avg": torch.ones(3)}, tmp_path / "rank0.pt")
     assert b"cuda:7" in (tmp_path / "rank0.pt").read_bytes()  # the file names a GPU this machine does not have
-    state = run.load_torch(tmp_path / "rank0.pt")
+    state = checkpoint.load_torch(tmp_path / "rank0.pt")
     assert state["exp_avg"].device == torch.device("cpu") and torch.equal(state["exp_avg"], torch.ones(3))
 
 
 def test_dropout_streams_are_one_per_stream_and_the_same_for_every_rank_that_shares_one():
     def draws(stream: int) -> torch.Tensor:
-        run.seed_dropout(0, stream)
+        checkpoint.seed_dropout(0, stream)
         return torch.rand(4)
 
     assert torch.equal(draws(0), draws(0)) and torch.equal(draws(3), draws(3))
     assert not torch.equal(draws(0), draws(1))
-    run.seed_dropout(1, 0)
+    checkpoint.seed_dropout(1, 0)
     assert not torch.equal(torch.rand(4), draws(0))  # another --seed, another stream

@@ -24,9 +24,9 @@ import test_packing
 import torch
 from conftest import run_script
 
-from ftkit import models, run
+from ftkit import batching, cli, compilation, lora, models, prepare
 
-AOT_EAGER = {models.COMPILE_BACKEND_ENV: "aot_eager"}
+AOT_EAGER = {compilation.COMPILE_BACKEND_ENV: "aot_eager"}
 ONE_GRAPH = {"graphs": 1, "graph_breaks": 0, "recompiles": 0}
 
 
@@ -46,13 +46,13 @@ def assert_same_step(run_dir, ref) -> None:
 
 def widths(data_dir, flags) -> set[int]:
     """The widths of the training micro-batches a run with these flags computes, laid out as the scripts lay them
-    out (`run.global_batches`): packed rows as wide as each micro-batch's fullest (`data.packed_width`)."""
+    out (`batching.global_batches`): packed rows as wide as each micro-batch's fullest (`batching.packed_width`)."""
     from ftkit import data
 
-    parser = run.common_parser("single-gpu-ft", experiment="single-gpu-ft")
-    args = run.resolve(parser.parse_args(["--data", str(data_dir), *flags]))
-    _, train_set, _, _ = run.encode_data(args, data.load_splits(args.data))
-    batches = run.global_batches(args, train_set)
+    parser = cli.common_parser("single-gpu-ft", experiment="single-gpu-ft")
+    args = cli.resolve(parser.parse_args(["--data", str(data_dir), *flags]))
+    _, train_set, _, _ = prepare.encode_data(args, data.load_splits(args.data))
+    batches = batching.global_batches(args, train_set)
     return {
         mb["input_ids"].shape[1]
         for step in range(args.max_steps)
@@ -103,8 +103,8 @@ def test_distributed_compiled_layers_take_the_eager_step(
 
 def tiny_lora(grad_checkpointing: bool):
     model = models.load_model("tiny", quant="none", dtype=torch.float32, device=torch.device("cpu"), seed=0)
-    model = models.freeze_base(model, grad_checkpointing)
-    return models.apply_lora(model, rank=8, alpha=16.0, dropout=0.0, seed=0)
+    model = lora.freeze_base(model, grad_checkpointing)
+    return lora.apply_lora(model, rank=8, alpha=16.0, dropout=0.0, seed=0)
 
 
 def packed_batch() -> dict:
@@ -129,7 +129,7 @@ def saved_activation_bytes(model, mb: dict) -> tuple[int, dict]:
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        logits = models.answer_logits(model, mb)
+        logits = lora.answer_logits(model, mb)
     logits.square().mean().backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
     return sum(saved.values()), grads
@@ -143,14 +143,14 @@ def test_compiled_layers_keep_activation_checkpointing(monkeypatch):
     from torch._dynamo.utils import clear_compilation_metrics, counters
     from torch.utils.flop_counter import FlopCounterMode
 
-    monkeypatch.setenv(models.COMPILE_BACKEND_ENV, "aot_eager")
+    monkeypatch.setenv(compilation.COMPILE_BACKEND_ENV, "aot_eager")
     torch._dynamo.reset()  # this process's compiled code and counts (pytest runs other tests in it)
     counters.clear()
     clear_compilation_metrics()
     mb = packed_batch()
     eager_bytes, eager_grads = saved_activation_bytes(tiny_lora(True), mb)
     model = tiny_lora(True)
-    assert models.compile_layers(model, True) == {"backend": "aot_eager", "layers": 4}
+    assert compilation.compile_layers(model, True) == {"backend": "aot_eager", "layers": 4}
     compiled_bytes, compiled_grads = saved_activation_bytes(model, mb)
     assert counters["stats"]["unique_graphs"] == 1  # one graph for the 4 layers
     whole_bytes, _ = saved_activation_bytes(tiny_lora(False), mb)  # eager, every activation kept
@@ -167,27 +167,27 @@ def test_compiled_layers_keep_activation_checkpointing(monkeypatch):
 
     model.eval()
     with torch.no_grad():
-        models.answer_logits(model, mb)
+        lora.answer_logits(model, mb)
     model.train()
     with FlopCounterMode(display=False):
-        models.answer_logits(model, mb).sum().backward()
+        lora.answer_logits(model, mb).sum().backward()
     # Another width (the next micro-batch's fullest row): the same graph, the width a dynamic size.
     narrower = {k: v[:, :96] for k, v in mb.items() if k != "logit_positions"} | {
         "logit_positions": mb["logit_positions"]
     }
-    models.answer_logits(model, narrower).sum().backward()
-    report = models.compile_report({"backend": "aot_eager", "layers": 4})
+    lora.answer_logits(model, narrower).sum().backward()
+    report = compilation.compile_report({"backend": "aot_eager", "layers": 4})
     assert (report["graphs"], report["graph_breaks"], report["recompiles"]) == (1, 0, 0), report
     torch._dynamo.reset()
 
 
 def test_a_technique_that_cannot_compile_says_so(capsys):
     model = tiny_lora(True)
-    compiled = models.compile_layers(model, True, eager_because="hand-rolled collectives")
-    assert compiled == {"eager": "hand-rolled collectives"} == models.compile_report(compiled)
+    compiled = compilation.compile_layers(model, True, eager_because="hand-rolled collectives")
+    assert compiled == {"eager": "hand-rolled collectives"} == compilation.compile_report(compiled)
     assert "the decoder layers run eager: hand-rolled collectives" in capsys.readouterr().out
-    assert all(layer._compiled_call_impl is None for layer in models.decoder_layers(model))
-    assert models.compile_layers(model, False) is None and models.compile_report(None) is None
+    assert all(layer._compiled_call_impl is None for layer in compilation.decoder_layers(model))
+    assert compilation.compile_layers(model, False) is None and compilation.compile_report(None) is None
 
 
 @pytest.mark.parametrize(
@@ -195,5 +195,5 @@ def test_a_technique_that_cannot_compile_says_so(capsys):
     [([], True), (["--no-compile"], False), (["--smoke"], False), (["--smoke", "--compile"], True)],
 )
 def test_compile_is_on_for_gpu_runs_and_off_for_the_walkthrough(argv, expected):
-    args = run.resolve(run.common_parser("test", experiment="single-gpu-ft").parse_args(argv))
+    args = cli.resolve(cli.common_parser("test", experiment="single-gpu-ft").parse_args(argv))
     assert args.compile is expected

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from conftest import ROOT
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from ftkit import data, models, run
+from ftkit import data, errors, models, prepare, ranks
 
 SCRIPTS = ["ddp-ft", "fsdp-ft", "tp-ft", "tp-sp-ft", "pp-ft"]
 WORLD = 2
@@ -33,7 +33,7 @@ REAL = {
     "init_process_group": dist.init_process_group,
     "fetch": models.fetch,
     "load_splits": data.load_splits,
-    "encode_data": run.encode_data,
+    "encode_data": prepare.encode_data,
 }
 _encoded: dict = {}
 
@@ -74,10 +74,10 @@ def run_rank(script: str, rank: int, flags: list[str], monkeypatch) -> dict:
     monkeypatch.setattr(dist, "init_process_group", init_process_group)
     monkeypatch.setattr(models, "fetch", traced("fetch"))
     monkeypatch.setattr(data, "load_splits", traced("load_splits"))
-    monkeypatch.setattr(run, "encode_data", encoded_once)
+    monkeypatch.setattr(prepare, "encode_data", encoded_once)
     # The fake group carries no data, so rank 0's broadcast of the run directory cannot reach rank 1: each rank
     # computes it itself here (nothing is written before the model is built).
-    monkeypatch.setattr(run, "on_rank0", lambda fn, *a, **k: fn(*a, **k))
+    monkeypatch.setattr(ranks, "on_rank0", lambda fn, *a, **k: fn(*a, **k))
 
     def load_model(*args, **kwargs):
         # The kernel the real load_model would use: the one passed, else the choice for the device it builds on.
@@ -150,8 +150,8 @@ def test_no_gpu_message_says_why_and_gives_the_smoke_command(monkeypatch):
     monkeypatch.setenv("LOCAL_RANK", "0")
     monkeypatch.setattr("ftkit.gpu.explain_no_cuda", lambda: "DRIVER-TOO-OLD")
     args = types.SimpleNamespace(smoke=False)
-    with pytest.raises(run.RunError) as e:
-        run.device_for(args)
+    with pytest.raises(errors.RunError) as e:
+        ranks.device_for(args)
     message = str(e.value)
     assert "DRIVER-TOO-OLD" in message
     assert "uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --max-steps 5 --smoke" in message
@@ -199,7 +199,7 @@ def test_a_rank_that_built_the_whole_model_releases_its_cached_blocks_after_slic
 
     main = (ROOT / "experiments" / script / "train.py").read_text().split("\ndef main()")[1]
     release = main.index("metrics.release_cached_memory(device)")
-    assert main.index(sliced) < release < main.index("run.start_log(")
+    assert main.index(sliced) < release < main.index("rundir.start_log(")
     released = []
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(True))
     metrics.release_cached_memory(torch.device("cpu"))

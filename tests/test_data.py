@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from ftkit import data, models, run
+from ftkit import batching, cli, data, errors, models
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +56,7 @@ def test_shipped_data_is_qmsums_ami_split_by_meeting(tmp_path, monkeypatch, spli
 
 
 def resolved(*flags: str):
-    return run.resolve(run.common_parser("test", "test").parse_args(list(flags)))
+    return cli.resolve(cli.common_parser("test", "test").parse_args(list(flags)))
 
 
 @pytest.mark.parametrize("scale", [(), ("--smoke",)], ids=["real", "smoke"])
@@ -91,7 +91,7 @@ def test_splits_are_by_meeting(splits):
     assert not meetings["train"] & meetings["test"]
     assert not meetings["val"] & meetings["test"]
     leaked = {"train": splits["train"][:1], "test": splits["train"][:1]}
-    with pytest.raises(data.DataError, match="both train and test"):
+    with pytest.raises(errors.DataError, match="both train and test"):
         data.check_split_by_meeting(leaked)
 
 
@@ -172,10 +172,10 @@ def encoded(tokenizer, splits):
 
 
 def test_batches_are_deterministic_for_a_seed(encoded):
-    a, b = data.GlobalBatches(encoded, 8, seed=3), data.GlobalBatches(encoded, 8, seed=3)
+    a, b = batching.GlobalBatches(encoded, 8, seed=3), batching.GlobalBatches(encoded, 8, seed=3)
     steps = range(0, 3 * a.per_epoch)  # across epoch boundaries
     assert [a.indices(s) for s in steps] == [b.indices(s) for s in steps]
-    other = data.GlobalBatches(encoded, 8, seed=4)
+    other = batching.GlobalBatches(encoded, 8, seed=4)
     assert [a.indices(s) for s in steps] != [other.indices(s) for s in steps]
     # Every epoch visits distinct examples, each once.
     epoch = [i for s in range(a.per_epoch) for i in a.indices(s)]
@@ -192,14 +192,14 @@ def test_length_grouping_pads_less_than_random(tokenizer, splits):
             total += max(lens) * len(lens) - sum(lens)
         return total
 
-    grouped = data.GlobalBatches(encoded, 8, seed=0)
-    ungrouped = data.GlobalBatches(encoded, 8, seed=0, group=1)
+    grouped = batching.GlobalBatches(encoded, 8, seed=0)
+    ungrouped = batching.GlobalBatches(encoded, 8, seed=0, group=1)
     assert padding(grouped) < padding(ungrouped)
 
 
 @pytest.mark.parametrize("world,micro", [(2, 1), (2, 2), (4, 1), (4, 2)])
 def test_rank_shards_union_is_the_global_batch(encoded, world, micro):
-    batches = data.GlobalBatches(encoded, 8, seed=1)
+    batches = batching.GlobalBatches(encoded, 8, seed=1)
 
     def rows(mbs):
         return sorted(tuple(r[m.bool()].tolist()) for mb in mbs for r, m in zip(mb["input_ids"], mb["attention_mask"]))
@@ -222,10 +222,10 @@ def test_padded_tokens_are_the_collated_micro_batches(world, micro, multiple):
     examples = [
         data.Encoded(input_ids=[1] * n, labels=[data.IGNORE_INDEX] * (n - 1) + [1], trimmed=False) for n in lengths
     ]
-    batches = data.GlobalBatches(examples, 8, seed=2)
+    batches = batching.GlobalBatches(examples, 8, seed=2)
     for step in range(3):
         for rank in range(world):
-            mbs = [data.pad_to_multiple(mb, multiple) for mb in batches.micro_batches(step, micro, rank, world)]
+            mbs = [batching.pad_to_multiple(mb, multiple) for mb in batches.micro_batches(step, micro, rank, world)]
             held = sum(mb["input_ids"].numel() for mb in mbs)
             assert batches.padded_tokens(step, micro, rank, world, multiple) == held
             if micro > 1:  # rows of different lengths: the collated micro-batches hold padding
@@ -236,7 +236,7 @@ def test_answer_only_loss_equals_the_full_vocabulary_loss(encoded, tokenizer):
     """The lm_head on the answer positions only (`logits_to_keep=logit_positions`) gives the loss, and the gradient,
     of the full next-token loss over the whole sequence with the prompt masked out; on CPU in fp32 the only
     difference is the summation order."""
-    batches = data.GlobalBatches(encoded, 8, seed=0)
+    batches = batching.GlobalBatches(encoded, 8, seed=0)
     mb = batches.micro_batches(2, micro_batch_size=4)[0]
     assert mb["lengths"] == mb["attention_mask"].sum(1).tolist()
     assert (mb["targets"] != data.IGNORE_INDEX).sum() == (mb["labels"] != data.IGNORE_INDEX).sum()
@@ -248,11 +248,11 @@ def test_answer_only_loss_equals_the_full_vocabulary_loss(encoded, tokenizer):
         ids, mask = mb["input_ids"], mb["attention_mask"]
         if keep:
             logits = model(input_ids=ids, attention_mask=mask, logits_to_keep=mb["logit_positions"]).logits
-            loss = data.token_loss_sum(logits, mb["targets"])
+            loss = batching.token_loss_sum(logits, mb["targets"])
             assert logits.shape[:2] == mb["targets"].shape and logits.shape[1] < ids.shape[1] // 2
         else:  # the whole sequence's logits, shifted by one against the labels
             logits = model(input_ids=ids, attention_mask=mask).logits
-            loss = data.token_loss_sum(logits[:, :-1], mb["labels"][:, 1:])
+            loss = batching.token_loss_sum(logits[:, :-1], mb["labels"][:, 1:])
         loss.backward()
         return loss.item(), model.model.layers[0].mlp.up_proj.weight.grad.clone()
 
@@ -264,15 +264,15 @@ def test_answer_only_loss_equals_the_full_vocabulary_loss(encoded, tokenizer):
 
 
 def test_batch_that_does_not_divide_is_refused():
-    with pytest.raises(data.DataError, match="not a multiple"):
-        data.accumulation_steps(batch_size=10, micro_batch_size=4, data_parallel=1)
-    with pytest.raises(data.DataError, match="not a multiple"):
-        data.accumulation_steps(batch_size=8, micro_batch_size=2, data_parallel=3)
-    assert data.accumulation_steps(16, 2, 4) == 2
+    with pytest.raises(errors.DataError, match="not a multiple"):
+        batching.accumulation_steps(batch_size=10, micro_batch_size=4, data_parallel=1)
+    with pytest.raises(errors.DataError, match="not a multiple"):
+        batching.accumulation_steps(batch_size=8, micro_batch_size=2, data_parallel=3)
+    assert batching.accumulation_steps(16, 2, 4) == 2
 
 
 def test_missing_and_malformed_data(tmp_path, data_dir):
-    with pytest.raises(data.DataError, match="does not exist"):
+    with pytest.raises(errors.DataError, match="does not exist"):
         data.load_splits(str(tmp_path / "nope"))
     bad = tmp_path / "bad"
     shutil.copytree(data_dir, bad)
@@ -280,17 +280,17 @@ def test_missing_and_malformed_data(tmp_path, data_dir):
     original = victim.read_bytes()
     for broken in (b"{not json", original[: len(original) // 2], gzip.compress(b"{not json")):
         victim.write_bytes(broken)  # not gzip, a truncated gzip, gzipped non-JSON
-        with pytest.raises(data.DataError, match=victim.name):
+        with pytest.raises(errors.DataError, match=victim.name):
             data.load_splits(str(bad))
     meeting = json.loads(gzip.decompress(original))
     del meeting["meeting_transcripts"]
     victim.write_bytes(gzip.compress(json.dumps(meeting).encode()))
-    with pytest.raises(data.DataError, match="QMSum's meeting format"):
+    with pytest.raises(errors.DataError, match="QMSum's meeting format"):
         data.load_splits(str(bad))
     # A meeting both gzipped and not (`gunzip -k`) would count twice.
     victim.write_bytes(original)
     victim.with_name(victim.name.removesuffix(".gz")).write_bytes(gzip.decompress(original))
-    with pytest.raises(data.DataError, match=f"{data.meeting_id(victim)} found as both"):
+    with pytest.raises(errors.DataError, match=f"{data.meeting_id(victim)} found as both"):
         data.load_splits(str(bad))
 
 
@@ -318,7 +318,7 @@ def test_hub_schema_parsing_offline(tmp_path, splits):
     single = data.hub_dataset_to_splits(datasets.DatasetDict({"train": dd["train"]}), "one-split")
     assert sum(len(v) for v in single.values()) == len(rows) - 2
     wrong = datasets.DatasetDict({"train": datasets.Dataset.from_list([{"dialog_text": "x", "abstract": "y"}])})
-    with pytest.raises(data.DataError, match="no transcript column"):
+    with pytest.raises(errors.DataError, match="no transcript column"):
         data.hub_dataset_to_splits(wrong, "wrong-schema")
 
 
@@ -335,13 +335,13 @@ def test_hub_ids_are_routed_to_datasets(monkeypatch, tmp_path):
 
     monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
     monkeypatch.setenv("HF_TOKEN", "hf_test")
-    with pytest.raises(data.DataError, match="local QMSum-format folder"):
+    with pytest.raises(errors.DataError, match="local QMSum-format folder"):
         data.load_splits("TalTechNLP/AMIsum", revision="refs/convert/parquet")
-    with pytest.raises(data.DataError):
+    with pytest.raises(errors.DataError):
         data.load_splits("knkarthick/AMI:default")
     assert calls == [
         ("TalTechNLP/AMIsum", None, "refs/convert/parquet", "hf_test"),
         ("knkarthick/AMI", "default", None, "hf_test"),
     ]
-    with pytest.raises(data.DataError, match="does not exist"):
+    with pytest.raises(errors.DataError, match="does not exist"):
         data.load_splits(str(tmp_path / "a" / "b"))  # a path, not an owner/name id

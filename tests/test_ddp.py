@@ -12,7 +12,7 @@ import parity
 import pytest
 import torch
 
-from ftkit.run import share_cpu_cores
+from ftkit.ranks import share_cpu_cores
 
 TRAIN = "experiments/ddp-ft/train.py"
 INFER = "experiments/ddp-ft/infer.py"
@@ -65,7 +65,7 @@ def no_accum(tmp_path_factory, data_dir):
 
 @pytest.mark.parametrize(("cores", "local_world", "threads"), [(2, 2, 1), (4, 2, 2), (1, 1, 1), (8, 1, 8)])
 def test_cpu_ranks_share_the_cores_they_may_run_on(monkeypatch, cores, local_world, threads):
-    """run.share_cpu_cores: the cores this process may run on (its affinity: what a Slurm job step or a container
+    """ranks.share_cpu_cores: the cores this process may run on (its affinity: what a Slurm job step or a container
     binds), split among this node's ranks; a GPU run leaves the threads alone."""
     before = torch.get_num_threads()
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
@@ -162,7 +162,7 @@ def test_ddp_knobs_and_misconfigurations_change_no_math(request, tmp_path_factor
 # Dropout draws random masks in every step, on every rank: a resume or restart that lost a rank's RNG stream would
 # change the losses, where without dropout (--smoke's default) it would go unnoticed.
 DROPOUT = ("--lora-dropout", "0.1")
-# What --max-restarts needs (ftkit/run.py, follow_restart): a fresh rendezvous store for each restart.
+# What --max-restarts needs (ftkit/rundir.py, follow_restart): a fresh rendezvous store for each restart.
 RESTARTABLE = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 

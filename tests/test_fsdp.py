@@ -235,13 +235,13 @@ def test_a_4bit_storage_fsdp2_would_cast_is_refused():
     quantization config, before any weight is loaded."""
     from transformers import BitsAndBytesConfig
 
-    from ftkit import models
+    from ftkit import errors, models
 
     models.check_4bit_storage(models.bnb_config(torch.bfloat16), torch.bfloat16)  # uint8: never cast
     models.check_4bit_storage(models.bnb_config(torch.float32), torch.float32)
     same = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=torch.bfloat16)
     models.check_4bit_storage(same, torch.bfloat16)  # stored as it is gathered
-    with pytest.raises(models.ModelError, match="would cast the packed bytes") as refused:
+    with pytest.raises(errors.ModelError, match="would cast the packed bytes") as refused:
         models.check_4bit_storage(same, torch.float32)
     assert "uint8" in str(refused.value)  # the fix
 

@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
-from ftkit import models
+from ftkit import lora
 from ftkit.memory import (
     LORA_TARGETS,
     NF4_BYTES_PER_PARAM,
@@ -80,7 +80,7 @@ def tiny_lora_model(dtype: torch.dtype, rank: int, dropout: float, layers: int =
     model = Qwen3ForCausalLM(config).to(dtype)
     lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=list(LORA_TARGETS))
     model = get_peft_model(model, lora)
-    return (model if peft_default else models.adapters_compute_in(model, dtype)).train()
+    return (model if peft_default else lora.adapters_compute_in(model, dtype)).train()
 
 
 def test_lora_params_match_peft(one_thread):
@@ -99,7 +99,7 @@ def test_qwen3_4b_lora_and_per_layer_activations():
 
 def measured_activation_bytes(model, input_ids: torch.Tensor, dtype: torch.dtype, autocast: bool = True) -> int:
     """Bytes of the distinct storages autograd saves for backward in one forward, run as the scripts run it
-    (`models.compute_autocast`), parameters excluded, plus the logits the model returns: what stays allocated
+    (`lora.compute_autocast`), parameters excluded, plus the logits the model returns: what stays allocated
     between forward and backward."""
     params = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     saved: dict[int, int] = {}
@@ -110,7 +110,7 @@ def measured_activation_bytes(model, input_ids: torch.Tensor, dtype: torch.dtype
             saved[storage.data_ptr()] = storage.nbytes()
         return t  # kept alive by the graph, so its address cannot be reused by another saved tensor
 
-    compute = models.compute_autocast(input_ids.device, dtype if autocast else torch.float32)
+    compute = lora.compute_autocast(input_ids.device, dtype if autocast else torch.float32)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), compute:
         out = model(input_ids=input_ids, labels=input_ids)
     logits = out.logits.untyped_storage()

@@ -81,7 +81,7 @@ def test_cpu_peak_memory_sees_an_allocation():
 def test_hardware_names_the_cpu_model():
     from pathlib import Path
 
-    info = metrics.hardware(torch.device("cpu"), world_size=1)
+    info = hardware.describe(torch.device("cpu"), world_size=1)
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists() and "model name" in cpuinfo.read_text():
         assert info["cpu"] in cpuinfo.read_text() and info["cpu"] not in ("x86_64", "")

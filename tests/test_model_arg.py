@@ -1,5 +1,5 @@
 """--model that cannot be had (a missing folder, a malformed hub id, a hub model that is unknown, gated or out of
-reach) ends with one line that says what to do (models.ModelError: `error:` and exit code 2), before any process
+reach) ends with one line that says what to do (errors.ModelError: `error:` and exit code 2), before any process
 group, never in the hub client's chained tracebacks. There is no network here: the hub's calls are faked to raise
 its real exception types, built as the installed huggingface_hub builds them, or run for real in offline mode."""
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import ROOT, run_script
 
-from ftkit import models
+from ftkit import errors, models
 
 TRAIN = "experiments/single-gpu-ft/train.py"
 # Every way a run can be told what to use instead of the model it named.
@@ -32,7 +32,7 @@ def no_hub(monkeypatch) -> None:
 
 
 def refused(model: str) -> str:
-    with pytest.raises(models.ModelError) as error:
+    with pytest.raises(errors.ModelError) as error:
         models.fetch(model)
     message = str(error.value)
     assert "\n" not in message and message.startswith(f"--model {model}: "), message
@@ -148,7 +148,7 @@ def test_the_hubs_errors_inside_transformers_oserror_say_what_to_do(kind, monkey
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", from_pretrained)
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
     for load in (models.model_config, models.load_tokenizer):
-        with pytest.raises(models.ModelError) as error:
+        with pytest.raises(errors.ModelError) as error:
             load("owner/name")
         assert all(s in str(error.value) for s in SAYS[kind]), str(error.value)
 

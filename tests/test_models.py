@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ftkit import models
+from ftkit import lora, models
 
 
 def test_tiny_config_divides_for_tp_and_pp():
@@ -68,7 +68,7 @@ def test_qlora_keeps_the_embedding_lm_head_and_norms_in_the_compute_dtype():
     def qlora():
         return models.load_model("tiny", quant="nf4", dtype=torch.bfloat16, device=torch.device("cpu"), seed=0)
 
-    model = models.apply_lora(models.freeze_base(qlora(), grad_checkpointing=True), 16, 32.0, 0.0, seed=0)
+    model = lora.apply_lora(lora.freeze_base(qlora(), grad_checkpointing=True), 16, 32.0, 0.0, seed=0)
     inner = model.base_model.model
     assert inner.lm_head.weight is inner.model.embed_tokens.weight  # tied, as in Qwen3-4B
     assert inner.lm_head.weight.dtype == torch.bfloat16
@@ -108,7 +108,7 @@ def tiny_lora(dtype: torch.dtype, dropout: float = 0.0):
     """The tiny model with LoRA as the scripts build it, B drawn at random (PEFT inits it to zero, which would
     leave A without a gradient)."""
     model = models.load_model("tiny", quant="none", dtype=dtype, device=torch.device("cpu"), seed=0)
-    model = models.apply_lora(models.freeze_base(model, grad_checkpointing=True), 16, 32.0, dropout, seed=0)
+    model = lora.apply_lora(lora.freeze_base(model, grad_checkpointing=True), 16, 32.0, dropout, seed=0)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -121,7 +121,7 @@ def loss_and_grads(model, dtype: torch.dtype, x: torch.Tensor):
     """One training step's forward (under the helper's autocast, as the scripts run it) and backward."""
     model.zero_grad(set_to_none=True)
     torch.manual_seed(0)  # the same dropout masks on every call
-    with models.compute_autocast(torch.device("cpu"), dtype):
+    with lora.compute_autocast(torch.device("cpu"), dtype):
         out = model(input_ids=x, labels=x)
     out.loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
@@ -148,7 +148,7 @@ def test_adapters_compute_in_bf16_with_fp32_master_weights():
     x = torch.randint(0, 4096, (2, 32), generator=torch.Generator().manual_seed(0))
     reference, _, _ = loss_and_grads(tiny_lora(torch.bfloat16), torch.float32, x)  # PEFT's fp32 adapters
 
-    model = models.adapters_compute_in(tiny_lora(torch.bfloat16), torch.bfloat16)
+    model = lora.adapters_compute_in(tiny_lora(torch.bfloat16), torch.bfloat16)
     with MatmulDtypes() as mode:
         loss, _, grads = loss_and_grads(model, torch.bfloat16, x)
     assert set(mode.dtypes) == {torch.bfloat16}  # base and LoRA, forward, recompute and backward (306 matmuls)
@@ -163,7 +163,7 @@ def test_adapters_compute_in_fp32_changes_nothing():
     model = tiny_lora(torch.float32, dropout=0.05)
     loss, logits, grads = loss_and_grads(model, torch.float32, x)
     grads = {n: g.clone() for n, g in grads.items()}
-    models.adapters_compute_in(model, torch.float32)
+    lora.adapters_compute_in(model, torch.float32)
     loss2, logits2, grads2 = loss_and_grads(model, torch.float32, x)
     assert torch.equal(loss, loss2) and torch.equal(logits, logits2)
     assert all(torch.equal(grads[n], grads2[n]) for n in grads)

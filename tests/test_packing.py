@@ -1,5 +1,5 @@
-"""Packed batches (ftkit/data.py `pack`, `collate_packed`, `GlobalBatches(pack_to=...)`): several examples per row of
---max-length positions, `position_ids` restarting at each example, no attention mask. The same examples and the
+"""Packed batches (ftkit/batching.py `pack`, `collate_packed`, `GlobalBatches(pack_to=...)`): several examples per
+row of --max-length positions, `position_ids` restarting at each example, no attention mask. The same examples and the
 same loss as the padded layout, so the same step: shown on the model directly (loss and gradients), with the two
 traps that silently let examples attend to each other (an all-ones mask beside the position restarts; a KV cache),
 and on the scripts (single-gpu-ft packed against --no-packing, every technique packed against the single-process
@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import run_script
 
-from ftkit import data, models
+from ftkit import batching, data, errors, lora, models
 
 IGNORE = data.IGNORE_INDEX
 
@@ -28,13 +28,13 @@ def example(prompt: int, answer: int, start: int) -> data.Encoded:
 
 def test_pack_fills_rows_first_fit_decreasing_and_keeps_every_example_once():
     lengths = [500, 30, 260, 250, 120, 400, 90, 12]
-    rows = data.pack(range(len(lengths)), lengths, capacity=512)
+    rows = batching.pack(range(len(lengths)), lengths, capacity=512)
     assert sorted(i for row in rows for i in row) == list(range(len(lengths)))
     assert all(sum(lengths[i] for i in row) <= 512 for row in rows)
     assert rows == [[0, 7], [5, 6], [2, 3], [4, 1]]  # longest first, each into the first row with room
-    assert data.pack(range(len(lengths)), lengths, capacity=512) == rows  # a pure function: every rank agrees
-    with pytest.raises(data.DataError, match="does not fit"):
-        data.pack([0], [513], capacity=512)
+    assert batching.pack(range(len(lengths)), lengths, capacity=512) == rows  # a pure function: every rank agrees
+    with pytest.raises(errors.DataError, match="does not fit"):
+        batching.pack([0], [513], capacity=512)
 
 
 def test_the_committed_layout_table_is_the_shipped_datas_and_meets_the_padding_bar():
@@ -56,16 +56,16 @@ def test_the_committed_layout_table_is_the_shipped_datas_and_meets_the_padding_b
 
 
 def test_a_packed_micro_batch_is_as_wide_as_its_fullest_row_rounded_up():
-    assert data.packed_width([100, 700], 2048) == 704 and data.packed_width([704], 2048) == 704
-    assert data.packed_width([2000], 2048) == 2048 and data.packed_width([500], 512) == 512
-    assert data.packed_width([0, 0], 2048) == data.ROW_MULTIPLE  # a rank's micro-step of empty rows
+    assert batching.packed_width([100, 700], 2048) == 704 and batching.packed_width([704], 2048) == 704
+    assert batching.packed_width([2000], 2048) == 2048 and batching.packed_width([500], 512) == 512
+    assert batching.packed_width([0, 0], 2048) == batching.ROW_MULTIPLE  # a rank's micro-step of empty rows
     a, b = example(30, 10, 0), example(20, 5, 7)
-    assert data.collate_packed([[a, b], [b]], data.packed_width([65, 25], 256))["input_ids"].shape == (2, 128)
+    assert batching.collate_packed([[a, b], [b]], batching.packed_width([65, 25], 256))["input_ids"].shape == (2, 128)
 
 
 def test_packed_rows_restart_positions_and_keep_each_examples_targets_to_itself():
     a, b = example(3, 2, 0), example(2, 3, 50)  # 5 tokens each
-    mb = data.collate_packed([[a, b], []], width=12)
+    mb = batching.collate_packed([[a, b], []], width=12)
     assert "attention_mask" not in mb  # a mask would undo the block-diagonal attention (see the trap test)
     assert mb["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]  # the tail: its own block
     assert mb["position_ids"][1].tolist() == list(range(12))  # an empty row: one block of padding
@@ -80,19 +80,19 @@ def test_packed_rows_restart_positions_and_keep_each_examples_targets_to_itself(
 @pytest.mark.parametrize("world, micro", [(1, 2), (2, 2), (2, 1)])
 def test_packed_micro_batches_cover_the_global_batch_with_as_many_micro_steps_on_every_rank(world, micro):
     encoded = [example(20 + (7 * i) % 90, 5 + i % 13, i) for i in range(40)]
-    batches = data.GlobalBatches(encoded, 16, seed=0, pack_to=256)
+    batches = batching.GlobalBatches(encoded, 16, seed=0, pack_to=256)
     for step in range(3):
         shards = [batches.micro_batches(step, micro, rank=r, world=world) for r in range(world)]
         assert len({len(s) for s in shards}) == 1 == len({batches.micro_steps(step, micro, world)} | {len(shards[0])})
         for mb in (mb for s in shards for mb in s):  # micro rows, as wide as the fullest rounded up to 64
             fullest = max(sum(length for length in mb["lengths"]), 1) if micro == 1 else None
             width = mb["input_ids"].shape[1]
-            assert mb["input_ids"].shape[0] == micro and width % data.ROW_MULTIPLE == 0 and width <= 256
-            assert fullest is None or width - data.ROW_MULTIPLE < fullest <= width
+            assert mb["input_ids"].shape[0] == micro and width % batching.ROW_MULTIPLE == 0 and width <= 256
+            assert fullest is None or width - batching.ROW_MULTIPLE < fullest <= width
         n_target = sum(int((mb["targets"] != IGNORE).sum()) for s in shards for mb in s)
         assert n_target == batches.n_target(step)
         assert sorted(n for s in shards for mb in s for n in mb["lengths"]) == sorted(batches.lengths(step))
-        assert batches.micro_steps(step, micro, world) < data.accumulation_steps(16, micro, world)
+        assert batches.micro_steps(step, micro, world) < batching.accumulation_steps(16, micro, world)
         layout = batches.layout(step, micro, 0, world)
         real = sum(n for mb in shards[0] for n in mb["lengths"])
         positions = sum(mb["input_ids"].numel() for mb in shards[0])
@@ -102,22 +102,22 @@ def test_packed_micro_batches_cover_the_global_batch_with_as_many_micro_steps_on
 @pytest.fixture(scope="module")
 def tiny():
     model = models.load_model("tiny", quant="none", dtype=torch.float32, device=torch.device("cpu"), seed=0)
-    return models.apply_lora(model, 8, 16.0, 0.0, seed=0)
+    return lora.apply_lora(model, 8, 16.0, 0.0, seed=0)
 
 
 def loss_and_grads(model, mb: dict, **forward) -> tuple[float, list[torch.Tensor]]:
     model.zero_grad()
     inputs = {"input_ids": mb["input_ids"], "position_ids": mb.get("position_ids"), "use_cache": False, **forward}
     logits = model(**inputs, logits_to_keep=mb["logit_positions"]).logits
-    loss = data.token_loss_sum(logits, mb["targets"])
+    loss = batching.token_loss_sum(logits, mb["targets"])
     loss.backward()
     return loss.item(), [p.grad.clone() for p in model.parameters() if p.requires_grad]
 
 
 def test_a_packed_row_computes_what_the_padded_rows_do_and_the_traps_do_not(tiny):
     examples = [example(40, 20, 0), example(25, 30, 7), example(60, 10, 13)]
-    padded, pads_grads = loss_and_grads(tiny, data.collate(examples))
-    packed_mb = data.collate_packed([examples], width=200)
+    padded, pads_grads = loss_and_grads(tiny, batching.collate(examples))
+    packed_mb = batching.collate_packed([examples], width=200)
     packed, packed_grads = loss_and_grads(tiny, packed_mb)
     grad_diff = max((a - b).abs().max().item() for a, b in zip(packed_grads, pads_grads))
     grad_max = max(b.abs().max().item() for b in pads_grads)

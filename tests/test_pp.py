@@ -244,7 +244,7 @@ def test_schedule_bubble_of_hand_written_orders():
     backward split into I and W, the first stage's I waits only for the next stage's I, not for its W: 1/4."""
     from torch.distributed.pipelining import schedules
 
-    from ftkit.metrics import schedule_bubble
+    from ftkit.pipeline_timing import schedule_bubble
 
     def order(backward: str) -> dict[int, list]:
         kinds = [schedules.F] + [{"B": schedules.B, "I": schedules.I, "W": schedules.W}[k] for k in backward]
@@ -308,7 +308,7 @@ def test_merged_adapter_on_one_process_gives_the_pipelines_eval_loss(interleaved
     examples equals the one the pipeline's last stage computed from its logits at the last step."""
     from peft import PeftModel
 
-    from ftkit import data, models, run
+    from ftkit import data, evaluation, models
 
     splits = data.load_splits(str(data_dir), None)
     tokenizer = models.load_tokenizer("tiny", data.corpus(splits["train"]))
@@ -317,7 +317,7 @@ def test_merged_adapter_on_one_process_gives_the_pipelines_eval_loss(interleaved
         "tiny", quant="none", dtype=torch.float32, device=torch.device("cpu"), seed=0, vocab_size=len(tokenizer)
     )
     model = PeftModel.from_pretrained(base, interleaved.run_dir / "adapter")
-    sums = run.eval_loss_sums(model, run.eval_micro_batches(val_set, 8, 2), torch.device("cpu"))
+    sums = evaluation.loss_sums(model, evaluation.micro_batches(val_set, 8, 2), torch.device("cpu"))
     pipeline_eval = parity.metrics(interleaved.run_dir)[-1]["eval_loss"]
     assert abs((sums[0] / sums[1]).item() - pipeline_eval) <= parity.LOSS_TOL
 

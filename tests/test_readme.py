@@ -193,13 +193,13 @@ def test_tp_sp_walkthrough_sends_what_its_summary_says_with_checkpointing(walkth
 
 
 def test_the_reference_configuration_is_the_scripts_defaults():
-    """The README's reference configuration table, against the defaults the scripts resolve (ftkit/run.py REAL and
+    """The README's reference configuration table, against the defaults the scripts resolve (ftkit/cli.py REAL and
     the common parser), so the configuration every post refers to cannot drift from the code."""
-    from ftkit import run
+    from ftkit import cli
 
     text = (ROOT / "README.md").read_text().split("## The reference configuration", 1)[1].split("\n## ", 1)[0]
     table = dict(re.findall(r"^\| ([^|]+?) \| ([^|]+?) \|$", text, re.M))
-    real, parser = run.REAL, run.common_parser("x", experiment="x")
+    real, parser = cli.REAL, cli.common_parser("x", experiment="x")
     defaults = {a.dest: a.default for a in parser._actions}
     assert table["model"] == f"`{real['model']}`"
     assert table["sequence length (`--max-length`)"] == f"{real['max_length']} tokens"

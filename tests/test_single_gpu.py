@@ -131,12 +131,12 @@ def test_resume_continues_with_the_same_losses(full_run, tmp_path):
 def test_adapter_loads_with_stock_peft(full_run, data_dir):
     from peft import PeftModel
 
-    from ftkit import data, models
+    from ftkit import data, lora, models
 
     adapter = full_run / "adapter"
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in adapter.iterdir()}
     config = json.loads((adapter / "adapter_config.json").read_text())
-    assert config["r"] == 16 and set(config["target_modules"]) == set(models.LORA_TARGETS)
+    assert config["r"] == 16 and set(config["target_modules"]) == set(lora.LORA_TARGETS)
     splits = data.load_splits(str(data_dir))
     tok = models.load_tokenizer("tiny", data.corpus(splits["train"]))
     base = models.load_model(
@@ -244,11 +244,11 @@ def test_adapter_names_its_base_model(full_run):
     ],
 )
 def test_out_of_range_flags_are_refused_before_any_work(flag, value, says):
-    from ftkit import run
+    from ftkit import cli, errors
 
-    args = run.common_parser("train", "single-gpu-ft").parse_args(["--smoke", flag, value])
-    with pytest.raises(run.RunError) as refused:
-        run.resolve(args)
+    args = cli.common_parser("train", "single-gpu-ft").parse_args(["--smoke", flag, value])
+    with pytest.raises(errors.RunError) as refused:
+        cli.resolve(args)
     assert says in str(refused.value) and value in str(refused.value)
 
 

@@ -17,9 +17,10 @@ from conftest import run_script
 from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 
-from ftkit import data, models
+from ftkit import batching, data, lora, models
+from ftkit.errors import RunError
 from ftkit.memory import ModelShape, layer_saved_bytes
-from ftkit.run import RunError, check_tp_degree
+from ftkit.ranks import check_tp_degree
 
 TP_TRAIN, TP_INFER = "experiments/tp-ft/train.py", "experiments/tp-ft/infer.py"
 SP_TRAIN, SP_INFER = "experiments/tp-sp-ft/train.py", "experiments/tp-sp-ft/infer.py"
@@ -99,18 +100,18 @@ def reference_grads(data_dir, reference) -> dict[str, torch.Tensor]:
     splits = data.load_splits(str(data_dir))
     tokenizer = models.load_tokenizer("tiny", data.corpus(splits["train"]))
     train_set, _ = data.ChatFormatter(tokenizer, MAX_LENGTH).encode_all(splits["train"])
-    batches = data.GlobalBatches(train_set, BATCH, seed=0)
+    batches = batching.GlobalBatches(train_set, BATCH, seed=0)
     model = models.load_model(
         "tiny", quant="none", dtype=torch.float32, device=torch.device("cpu"), seed=0, vocab_size=len(tokenizer)
     )
-    model = models.apply_lora(model, LORA_RANK, 32.0, 0.0, seed=0)
+    model = lora.apply_lora(model, LORA_RANK, 32.0, 0.0, seed=0)
     set_peft_model_state_dict(
         model, load_file(reference / "checkpoints" / "step-2" / "adapter" / "adapter_model.safetensors")
     )
     n_target = batches.n_target(2)
     for mb in batches.micro_batches(2, MICRO):
         logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"]).logits
-        (data.token_loss_sum(logits[:, :-1], mb["labels"][:, 1:]) / n_target).backward()  # every position's loss
+        (batching.token_loss_sum(logits[:, :-1], mb["labels"][:, 1:]) / n_target).backward()  # every position's loss
     return {n.replace(".default", ""): p.grad for n, p in model.named_parameters() if p.requires_grad}
 
 
@@ -341,6 +342,6 @@ def test_tp_ft_resumes_the_uninterrupted_run(tmp_path, data_dir):
 
 
 def test_tp_sp_ft_stops_and_resumes_as_the_uninterrupted_run(tmp_path, data_dir):
-    """The hand-rolled slices through one file per rank (run.save_rank_checkpoint), via --stop-after 2 and the
+    """The hand-rolled slices through one file per rank (checkpoint.save_per_rank), via --stop-after 2 and the
     printed --resume command."""
     resumed_equals_uninterrupted(SP_TRAIN, tmp_path, data_dir, stop=True)

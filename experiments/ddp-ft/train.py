@@ -25,12 +25,28 @@ import torch.distributed as dist
 from peft import set_peft_model_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from ftkit import comm, data, metrics, models, run
+from ftkit import (
+    batching,
+    checkpoint,
+    cli,
+    comm,
+    compilation,
+    data,
+    errors,
+    evaluation,
+    lora,
+    metrics,
+    models,
+    optim,
+    prepare,
+    ranks,
+    rundir,
+)
 from ftkit.profiling import StepProfiler
 
 
 def parse_args():
-    p = run.common_parser(__doc__.splitlines()[0], experiment="ddp-ft")
+    p = cli.common_parser(__doc__.splitlines()[0], experiment="ddp-ft")
     p.add_argument(
         "--quant",
         choices=["nf4", "none"],
@@ -73,9 +89,9 @@ def parse_args():
         help="the old reentrant activation checkpointing, which runs a backward inside the backward; DDP refuses it "
         "with --find-unused-parameters unless --static-graph",
     )
-    args = run.resolve(p.parse_args())
+    args = cli.resolve(p.parse_args())
     if args.bucket_cap_mb is not None and args.bucket_cap_mb <= 0:
-        raise run.RunError(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb}")
+        raise errors.RunError(f"--bucket-cap-mb must be positive, got {args.bucket_cap_mb}")
     return args
 
 
@@ -83,53 +99,53 @@ def main() -> None:
     args = parse_args()
     # ---- process group: torchrun starts one process per GPU and tells each its rank (RANK, LOCAL_RANK,
     # WORLD_SIZE) and where rank 0 listens (MASTER_ADDR/PORT).
-    local_rank, world = run.torchrun_local_rank(), int(os.environ["WORLD_SIZE"])
+    local_rank, world = ranks.torchrun_local_rank(), int(os.environ["WORLD_SIZE"])
     # Flags that do not fit the world size are refused before joining the group, on every rank alike: a rank that
     # left during the group's setup would leave the others with a connection error instead of this message.
-    accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=world)
+    accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=world)
     if args.static_graph and accum > 1 and not args.sync_every_micro_step:
         # DDP(static_graph=True) fails an internal assert in the first backward under no_sync(), a regression
         # still open in this PyTorch (pytorch/pytorch#143580; the fix, PR #187732, reports that with the assert
         # removed it stops all-reducing after the first step).
-        raise run.RunError(
+        raise errors.RunError(
             f"--static-graph does not work with gradient accumulation (no_sync) in PyTorch (pytorch/pytorch#143580);"
             f" here accumulation is {accum}: pass --batch-size {args.micro_batch_size * world} or drop --static-graph"
         )
-    device = run.device_for(args, local_rank)
-    run.share_cpu_cores(device)
+    device = ranks.device_for(args, local_rank)
+    ranks.share_cpu_cores(device)
     # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
     # collective meanwhile, where the group's timeout would end the run.
     models.fetch(args.model)
     splits = data.load_splits(args.data, args.data_revision)
     # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, a pickled object).
-    run.init_process_group(device)
+    ranks.init_process_group(device)
     rank = dist.get_rank()
-    dtype = run.torch_dtype(args.dtype)
+    dtype = cli.torch_dtype(args.dtype)
     # Rank 0 names the run directory (its clock, its checks) and every rank uses that one.
-    run_dir, resume_from = run.on_rank0(run.resolve_run_dir, args)
+    run_dir, resume_from = ranks.on_rank0(rundir.resolve, args)
 
     # ---- data: AMI examples in Qwen3's chat format, loss only on the answer, length-grouped global batches.
     # Every rank builds the same global batches (a function of seed and step) and takes its own share of each.
-    tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
+    tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
     # Packed: rows of up to --max-length holding several examples each (--no-packing: one padded example per row).
-    batches = run.global_batches(args, train_set)
-    eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, rank, world)
+    batches = batching.global_batches(args, train_set)
+    eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.micro_batch_size, rank, world)
 
     # ---- model: frozen base (4-bit NF4 for QLoRA) + trainable LoRA on all seven projections, on this rank's device
-    with run.rank0_first():
+    with ranks.rank0_first():
         model = models.load_model(
             args.model, quant=args.quant, dtype=dtype, device=device, seed=args.seed, vocab_size=len(tokenizer)
         )
     config = model.config
     # Non-reentrant checkpointing recomputes a layer inside the one backward pass, so DDP's per-parameter hooks
     # fire once, in order. The reentrant kind runs a nested backward per layer (--reentrant-checkpointing).
-    model = models.freeze_base(model, args.grad_checkpointing, reentrant=args.reentrant_checkpointing)
-    model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
-    run.seed_dropout(args.seed, stream=rank)  # each rank's examples differ, and so do its dropout masks
-    compiled = models.compile_layers(model, args.compile)  # --compile: each decoder layer, in place, before DDP
-    model = models.adapters_compute_in(model, dtype)  # bf16 compute (autocast), fp32 weights: as single-gpu-ft
+    model = lora.freeze_base(model, args.grad_checkpointing, reentrant=args.reentrant_checkpointing)
+    model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+    checkpoint.seed_dropout(args.seed, stream=rank)  # each rank's examples differ, and so do its dropout masks
+    compiled = compilation.compile_layers(model, args.compile)  # --compile: each decoder layer, in place, before DDP
+    model = lora.adapters_compute_in(model, dtype)  # bf16 compute (autocast), fp32 weights: as single-gpu-ft
     counts = models.parameter_counts(model)
-    run.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
+    ranks.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
 
     # ---- DDP: at construction rank 0's parameters and buffers are broadcast, so the replicas start identical.
     # DDP registers a hook on every trainable parameter; the LoRA gradients are packed into buckets, and each
@@ -152,38 +168,38 @@ def main() -> None:
     comm.register_ddp_hook(model, recorder)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer, scheduler = run.adamw_cosine(trainable, args)
+    optimizer, scheduler = optim.adamw_cosine(trainable, args)
 
     # ---- resume: adapter, optimizer, scheduler and each rank's RNG; the data position is the step itself.
     # Every rank reads the checkpoint rank 0 wrote, so a multi-node run needs the run directory on shared storage.
     # The replicas are whole, so any number of ranks can continue a run (only the dropout RNG streams then differ).
     start_step = 0
     if resume_from is not None:
-        state = run.read_checkpoint_state(resume_from, ("adapter/adapter_model.safetensors", "optimizer.pt"))
+        state = checkpoint.read_state(resume_from, ("adapter/adapter_model.safetensors", "optimizer.pt"))
         try:
             weights = safetensors.torch.load_file(resume_from / "adapter" / "adapter_model.safetensors")
         except Exception as e:
-            raise run.CheckpointError(f"{resume_from}/adapter: corrupt adapter ({e})") from e
+            raise errors.CheckpointError(f"{resume_from}/adapter: corrupt adapter ({e})") from e
         set_peft_model_state_dict(model.module, weights)
-        opt = run.load_torch(resume_from / "optimizer.pt")
+        opt = checkpoint.load_torch(resume_from / "optimizer.pt")
         optimizer.load_state_dict(opt["optimizer"])
         scheduler.load_state_dict(opt["scheduler"])
-        run.restore_rng(resume_from, state, rank, world)
+        checkpoint.restore_rng(resume_from, state, rank, world)
         start_step = state["step"]
 
-    log = run.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config)
+    log = rundir.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config)
 
     def save_checkpoint(step: int) -> None:
         # The replicas are identical, so rank 0 saves the adapter and optimizer; only the RNG differs per rank.
         rng = [None] * world if rank == 0 else None
-        dist.gather_object(run.rng_state(), rng, dst=0)
+        dist.gather_object(checkpoint.rng_state(), rng, dst=0)
         if rank == 0:
-            tmp = run.staging_dir(run_dir, step)
+            tmp = checkpoint.staging_dir(run_dir, step)
             model.module.save_pretrained(tmp / "adapter", save_embedding_layers=False)
             torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
             for r, state in enumerate(rng):
                 torch.save(state, tmp / f"rng-rank{r}.pt")
-            run.commit_checkpoint(tmp, step, {"seed": args.seed, "world_size": world}, args.keep_checkpoints)
+            checkpoint.commit(tmp, step, {"seed": args.seed, "world_size": world}, args.keep_checkpoints)
         dist.barrier()  # no rank goes on (or exits, with --stop-after) before the checkpoint is complete
 
     # ---- train
@@ -199,20 +215,20 @@ def main() -> None:
             micro_batches = batches.micro_batches(step, args.micro_batch_size, rank=rank, world=world)
             with metrics.StepTimer(device) as timer:
                 for j, mb in enumerate(micro_batches):
-                    mb = data.to_device(mb, device)
+                    mb = batching.to_device(mb, device)
                     # Accumulate locally and all-reduce once, in the last micro-batch's backward: no_sync()
                     # switches the reducer off for both the forward and the backward of the micro-batches before.
                     sync = j == len(micro_batches) - 1 or args.sync_every_micro_step
                     with contextlib.nullcontext() if sync else model.no_sync():
                         # The lm_head at the answer positions only; packed rows kept apart by their position_ids.
-                        with models.compute_autocast(device, dtype):
+                        with lora.compute_autocast(device, dtype):
                             out = model(
                                 input_ids=mb["input_ids"],
                                 position_ids=mb.get("position_ids"),
                                 logits_to_keep=mb["logit_positions"],
                                 use_cache=False,
                             )
-                            loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                            loss = batching.token_loss_sum(out.logits, mb["targets"]) / n_target
                         del out  # the logits are freed by backward, not kept alive into the next forward
                         # DDP *averages* the gradients over the ranks. This rank's loss is its share of the global
                         # loss, so the gradient we want is the *sum* over ranks: scale by the world size.
@@ -245,7 +261,7 @@ def main() -> None:
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
                 # Each rank evaluates its share of the held-out set on the bare model (no DDP hooks); sum them.
-                sums = run.eval_loss_sums(model.module, eval_batches, device, dtype)
+                sums = evaluation.loss_sums(model.module, eval_batches, device, dtype)
                 dist.all_reduce(sums)
                 row["eval_loss"] = (sums[0] / sums[1]).item()
             log.log(row)
@@ -264,7 +280,7 @@ def main() -> None:
         last_step,
         predicted=metrics.predicted_memory(config, args, "ddp", quant=args.quant, world_size=world),
         note=metrics.memory_note(device),
-        compile=models.compile_report(compiled),
+        compile=compilation.compile_report(compiled),
         # What theory says DDP sends per optimizer step: the trainable gradients, once (once per micro-step with
         # --sync-every-micro-step), in bytes of the buffer; a ring all-reduce puts 2(N-1)/N of that on the wire.
         trainable_grad_bytes=comm.nbytes(trainable),
@@ -275,8 +291,8 @@ def main() -> None:
         "issue-to-completion spans: they overlap backward and each other); the metrics' own loss/eval all-reduces "
         "are not counted",
     )
-    run.finish(args, run_dir, summary, finished)
+    rundir.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":
-    run.launch(main)
+    ranks.launch(main)

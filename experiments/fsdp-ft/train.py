@@ -34,12 +34,28 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from ftkit import comm, data, metrics, models, run
+from ftkit import (
+    batching,
+    checkpoint,
+    cli,
+    comm,
+    compilation,
+    data,
+    errors,
+    evaluation,
+    lora,
+    metrics,
+    models,
+    optim,
+    prepare,
+    ranks,
+    rundir,
+)
 from ftkit.profiling import StepProfiler
 
 
 def parse_args():
-    p = run.common_parser(__doc__.splitlines()[0], experiment="fsdp-ft")
+    p = cli.common_parser(__doc__.splitlines()[0], experiment="fsdp-ft")
     p.add_argument(
         "--quant",
         choices=["none", "nf4"],
@@ -105,15 +121,15 @@ def parse_args():
         help="measure the symptom of --adapters-in-base-dtype each step: the adapter elements the optimizer step "
         "left unchanged (costs a copy of every trainable shard per step; on by itself with that flag)",
     )
-    args = run.resolve(p.parse_args())
+    args = cli.resolve(p.parse_args())
     if args.quant == "nf4" and args.cpu_offload:
-        raise run.RunError(
+        raise errors.RunError(
             "--quant nf4 --cpu-offload: not supported yet. The 4-bit shards would go to the host, each layer's "
             "quantization state (not a parameter) stays on the GPU; no GPU run has checked that, and a CPU test "
             "cannot. Drop --cpu-offload: a 4-bit base's shards are a quarter of bf16's already."
         )
     if args.prefetch < 1:
-        raise run.RunError(f"--prefetch must be at least 1 (FSDP2's implicit prefetch), got {args.prefetch}")
+        raise errors.RunError(f"--prefetch must be at least 1 (FSDP2's implicit prefetch), got {args.prefetch}")
     args.param_dtype = args.param_dtype or args.dtype
     args.count_lost_updates = args.count_lost_updates or args.adapters_in_base_dtype
     return args
@@ -137,9 +153,9 @@ def shard_model(model, args, device: torch.device, world: int) -> list[torch.nn.
     # outputs; the optimizer always steps the sharded originals (fp32 adapters).
     mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("dp",))
     policy = MixedPrecisionPolicy(
-        param_dtype=run.torch_dtype(args.param_dtype),
-        reduce_dtype=run.torch_dtype(args.reduce_dtype),
-        output_dtype=run.torch_dtype(args.output_dtype) if args.output_dtype else None,
+        param_dtype=cli.torch_dtype(args.param_dtype),
+        reduce_dtype=cli.torch_dtype(args.reduce_dtype),
+        output_dtype=cli.torch_dtype(args.output_dtype) if args.output_dtype else None,
     )
     fsdp_kwargs = {"mesh": mesh, "mp_policy": policy}
     if args.cpu_offload:
@@ -148,7 +164,7 @@ def shard_model(model, args, device: torch.device, world: int) -> list[torch.nn.
         fsdp_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     units = fsdp_units(model, args.wrap_class)
     if not units:
-        run.print0(
+        ranks.print0(
             f"warning: no module of class {args.wrap_class}: the root unit holds (and all-gathers) the whole model"
         )
     for unit in units:
@@ -169,27 +185,27 @@ def main() -> None:
     args = parse_args()
     # ---- process group: torchrun starts one process per GPU and tells each its rank (RANK, LOCAL_RANK,
     # WORLD_SIZE) and where rank 0 listens (MASTER_ADDR/PORT).
-    device = run.device_for(args, run.torchrun_local_rank())
-    run.share_cpu_cores(device)
+    device = ranks.device_for(args, ranks.torchrun_local_rank())
+    ranks.share_cpu_cores(device)
     # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
     # collective meanwhile, where the group's timeout would end the run.
     models.fetch(args.model)
     splits = data.load_splits(args.data, args.data_revision)
     # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, an offloaded grad norm).
-    run.init_process_group(device)
+    ranks.init_process_group(device)
     rank, world = dist.get_rank(), dist.get_world_size()
-    accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=world)
-    dtype = run.torch_dtype(args.dtype)
+    accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=world)
+    dtype = cli.torch_dtype(args.dtype)
     # Rank 0 names the run directory (its clock, its checks) and every rank uses that one.
-    run_dir, resume_from = run.on_rank0(run.resolve_run_dir, args)
+    run_dir, resume_from = ranks.on_rank0(rundir.resolve, args)
 
     # ---- data: AMI examples in Qwen3's chat format, loss only on the answer, length-grouped global batches.
     # Every rank builds the same global batches (a function of seed and step) and takes its own share of each.
-    tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
+    tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
     # Packed: rows of up to --max-length holding several examples each (--no-packing: one padded example per row).
-    batches = run.global_batches(args, train_set)
+    batches = batching.global_batches(args, train_set)
     # An evaluation forward all-gathers every unit, a collective: every rank must run as many micro-batches.
-    eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, rank, world, even=True)
+    eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.micro_batch_size, rank, world, even=True)
 
     # ---- model: rank 0 loads the real weights into CPU memory, the other ranks build it on the meta device (no
     # storage); after sharding, rank 0 broadcasts the weights and each rank keeps its shard: no GPU ever holds the
@@ -198,8 +214,8 @@ def main() -> None:
     # every rank quantizes the checkpoint itself (the same bytes everywhere) and sharding keeps its 1/N of them.
     attn = models.attention_implementation(device, dtype)
     if args.quant == "nf4":  # FSDP2 would cast a float storage of the 4-bit bytes: refused before the load
-        models.check_4bit_storage(models.bnb_config(dtype), run.torch_dtype(args.param_dtype))
-    with run.rank0_first():
+        models.check_4bit_storage(models.bnb_config(dtype), cli.torch_dtype(args.param_dtype))
+    with ranks.rank0_first():
         model = models.load_model(
             args.model,
             quant=args.quant,
@@ -215,16 +231,16 @@ def main() -> None:
     if args.grad_checkpointing:
         # Non-reentrant: transformers checkpoints each layer's forward, not its __call__, so FSDP2's hooks stay
         # outside the checkpoint and the recomputation in backward does not all-gather the layer a third time.
-        models.checkpoint_activations(model)
-    model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
-    run.seed_dropout(args.seed, stream=rank)  # each rank's examples differ, and so do its dropout masks
-    compiled = models.compile_layers(model, args.compile)  # --compile: each decoder layer, in place, before FSDP2
+        lora.checkpoint_activations(model)
+    model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+    checkpoint.seed_dropout(args.seed, stream=rank)  # each rank's examples differ, and so do its dropout masks
+    compiled = compilation.compile_layers(model, args.compile)  # --compile: each decoder layer, in place, before FSDP2
     if args.adapters_in_base_dtype:
         for p in model.parameters():
             if p.requires_grad:
                 p.data = p.data.to(dtype)
     counts = models.parameter_counts(model)
-    run.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
+    ranks.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
     broadcast = args.quant == "none"  # nf4: every rank holds the weights already
     full_weights = model.state_dict() if rank == 0 and broadcast else {}
 
@@ -247,20 +263,22 @@ def main() -> None:
         return sum(p.to_local().numel() * p.to_local().element_size() for p in params)
 
     param_bytes = local_bytes(model.parameters())
-    unit_bytes = [comm.gathered_bytes(u.parameters(), run.torch_dtype(args.param_dtype)) for u in [*units, model]]
+    unit_bytes = [comm.gathered_bytes(u.parameters(), cli.torch_dtype(args.param_dtype)) for u in [*units, model]]
     unit_bytes[-1] -= sum(unit_bytes[:-1])  # the root unit: what no layer unit took
-    run.print0(f"FSDP units: {len(units)} x {args.wrap_class} + root; per-rank parameter shards: {param_bytes:,} bytes")
+    ranks.print0(
+        f"FSDP units: {len(units)} x {args.wrap_class} + root; per-rank parameter shards: {param_bytes:,} bytes"
+    )
 
     recorder = comm.CommRecorder(device)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer, scheduler = run.adamw_cosine(trainable, args)
+    optimizer, scheduler = optim.adamw_cosine(trainable, args)
     # ---- resume: the sharded adapter + optimizer state (each rank reads its own pieces with
     # torch.distributed.checkpoint), the scheduler and each rank's RNG; the data position is the step itself.
     start_step = 0
     if resume_from is not None:
-        start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler, any_world=True)
+        start_step = checkpoint.load_sharded(resume_from, model, optimizer, scheduler, any_world=True)
 
-    log = run.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config)
+    log = rundir.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config)
 
     def save_adapter(path) -> None:
         # Gather the full adapter onto rank 0's CPU (a collective: every rank takes part) and write it as a stock
@@ -270,7 +288,7 @@ def main() -> None:
         )
         if rank == 0:
             weights = get_peft_model_state_dict(model, state_dict=full, save_embedding_layers=False)
-            run.save_adapter(path, weights, model.peft_config["default"])
+            checkpoint.save_adapter(path, weights, model.peft_config["default"])
 
     # ---- train
     model.train()
@@ -284,7 +302,7 @@ def main() -> None:
             micro_batches = batches.micro_batches(step, args.micro_batch_size, rank=rank, world=world)
             with metrics.StepTimer(device) as timer, comm.recording(recorder):
                 for j, mb in enumerate(micro_batches):
-                    mb = data.to_device(mb, device)
+                    mb = batching.to_device(mb, device)
                     # Accumulate the unsharded gradients locally and reduce-scatter once, in the last micro-batch's
                     # backward (FSDP2's no_sync). The all-gathers still happen on every micro-batch.
                     model.set_requires_gradient_sync(j == len(micro_batches) - 1)
@@ -302,7 +320,7 @@ def main() -> None:
                             for t in (layer.keys, layer.values)
                             if isinstance(t, torch.Tensor)
                         )
-                    loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                    loss = batching.token_loss_sum(out.logits, mb["targets"]) / n_target
                     del out  # the logits (and a KV cache) are freed by backward, not kept into the next forward
                     # FSDP2's reduce-scatter *averages* the gradients over the ranks (it divides by the world size,
                     # as DDP does; set_gradient_divide_factor would change that). This rank's loss is its share of
@@ -351,14 +369,14 @@ def main() -> None:
                 row["kv_cache_bytes"] = kv_cache_bytes
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
                 # Each rank evaluates its share of the held-out set, through FSDP (the forward all-gathers); sum.
-                sums = run.eval_loss_sums(model, eval_batches, device)
+                sums = evaluation.loss_sums(model, eval_batches, device)
                 model.reshard()  # FSDP2 keeps the root unsharded after a forward without backward: free it
                 dist.all_reduce(sums)
                 row["eval_loss"] = (sums[0] / sums[1]).item()
             log.log(row)
             if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
                 # Every rank writes its own shards (torch.distributed.checkpoint); storage all ranks see.
-                run.save_sharded_checkpoint(run_dir, step + 1, model, optimizer, scheduler, args)
+                checkpoint.save_sharded(run_dir, step + 1, model, optimizer, scheduler, args)
             profiler.step(step + 1)
     log.close()
 
@@ -373,7 +391,7 @@ def main() -> None:
         sum(unit_bytes[:-1]),
         1,
         args.reshard_after_forward,
-        counts["trainable"] * run.torch_dtype(args.reduce_dtype).itemsize,
+        counts["trainable"] * cli.torch_dtype(args.reduce_dtype).itemsize,
         world,
     )
     summary = log.run_summary(
@@ -382,7 +400,7 @@ def main() -> None:
             config, args, "fsdp", quant=args.quant, world_size=world, reshard_after_forward=args.reshard_after_forward
         ),
         note=metrics.memory_note(device, "param_shard_bytes (exact) and "),
-        compile=models.compile_report(compiled),
+        compile=compilation.compile_report(compiled),
         fsdp_units=len(units) + 1,
         # Measured on rank 0 after sharding: the bytes of its parameter shards, and the largest unit that is
         # all-gathered at once (in --param-dtype).
@@ -402,8 +420,8 @@ def main() -> None:
     )
     if args.use_cache:
         summary["kv_cache_bytes"] = kv_cache_bytes
-    run.finish(args, run_dir, summary, finished)
+    rundir.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":
-    run.launch(main)
+    ranks.launch(main)

@@ -34,14 +34,30 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
 
-from ftkit import comm, data, metrics, models, run
+from ftkit import (
+    batching,
+    checkpoint,
+    cli,
+    comm,
+    compilation,
+    data,
+    errors,
+    evaluation,
+    lora,
+    metrics,
+    models,
+    optim,
+    prepare,
+    ranks,
+    rundir,
+)
 from ftkit.profiling import StepProfiler
 
-tp_ft = run.load_experiment("tp-ft")  # its lora_aware_plan
+tp_ft = cli.load_experiment("tp-ft")  # its lora_aware_plan
 
 
 def parse_args():
-    p = run.common_parser(__doc__.splitlines()[0], experiment="fsdp-tp-ft")
+    p = cli.common_parser(__doc__.splitlines()[0], experiment="fsdp-tp-ft")
     g = p.add_argument_group("2-D mesh")
     g.add_argument(
         "--mesh-shape",
@@ -49,7 +65,7 @@ def parse_args():
         metavar="DP,TP",
         help="FSDP degree x TP degree = the world size [default: TP = ranks per node, DP = nodes]",
     )
-    return run.resolve(p.parse_args())
+    return cli.resolve(p.parse_args())
 
 
 def mesh_shape(flag: str | None, world: int, per_node: int) -> tuple[int, int]:
@@ -60,9 +76,9 @@ def mesh_shape(flag: str | None, world: int, per_node: int) -> tuple[int, int]:
     try:
         dp, tp = (int(x) for x in flag.split(","))
     except ValueError:
-        raise run.RunError(f"--mesh-shape {flag!r}: expected two integers DP,TP, e.g. --mesh-shape 2,4") from None
+        raise errors.RunError(f"--mesh-shape {flag!r}: expected two integers DP,TP, e.g. --mesh-shape 2,4") from None
     if dp < 1 or tp < 1 or dp * tp != world:
-        raise run.RunError(
+        raise errors.RunError(
             f"--mesh-shape {flag}: DP x TP = {dp * tp} ranks, but torchrun started {world}; the two degrees must "
             f"multiply to the world size (e.g. --mesh-shape {world // per_node},{per_node} on this launch)"
         )
@@ -75,8 +91,8 @@ def clip_grads(trainable: list[torch.nn.Parameter], max_norm: float, tp: int) ->
     where TP left it whole (the TP ranks hold the same pieces). One all-reduce of the squares over all ranks counts
     the latter TP times, hence / TP."""
     device = trainable[0].device
-    split = run.squares_sum([p.grad.to_local() for p in trainable if p.grad.device_mesh.ndim == 2], device)
-    whole = run.squares_sum([p.grad.to_local() for p in trainable if p.grad.device_mesh.ndim == 1], device)
+    split = optim.squares_sum([p.grad.to_local() for p in trainable if p.grad.device_mesh.ndim == 2], device)
+    whole = optim.squares_sum([p.grad.to_local() for p in trainable if p.grad.device_mesh.ndim == 1], device)
     sq = split + whole / tp
     dist.all_reduce(sq)
     norm = sq.sqrt()
@@ -88,39 +104,41 @@ def clip_grads(trainable: list[torch.nn.Parameter], max_norm: float, tp: int) ->
 
 def main() -> None:
     args = parse_args()
-    device = run.device_for(args, run.torchrun_local_rank())
-    run.share_cpu_cores(device)
+    device = ranks.device_for(args, ranks.torchrun_local_rank())
+    ranks.share_cpu_cores(device)
     # Downloads before the group exists: no rank waits in a collective meanwhile (the group's 30-minute timeout).
     models.fetch(args.model)
     # The mesh is checked from the environment and the config, on every rank alike, before the data, the process
     # group or any weight: its product, and a TP degree that deals out whole heads.
     world, per_node = int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
     dp, tp = mesh_shape(args.mesh_shape, world, per_node)
-    run.check_tp_degree(models.model_config(args.model), tp)
+    ranks.check_tp_degree(models.model_config(args.model), tp)
     splits = data.load_splits(args.data, args.data_revision)
-    run.init_process_group(device)  # "cpu:gloo,cuda:nccl" on GPUs
+    ranks.init_process_group(device)  # "cpu:gloo,cuda:nccl" on GPUs
     rank = dist.get_rank()
     # ---- the 2-D mesh: rank r sits at row r // TP (its FSDP index), column r % TP (its TP index). TP is the
     # inner dimension, so a TP group is TP consecutive ranks: one node's, when TP = ranks per node.
     mesh = init_device_mesh(device.type, (dp, tp), mesh_dim_names=("dp", "tp"))
     dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
-    accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=dp)
-    dtype = run.torch_dtype(args.dtype)
-    run_dir, resume_from = run.on_rank0(run.resolve_run_dir, args)
+    accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=dp)
+    dtype = cli.torch_dtype(args.dtype)
+    run_dir, resume_from = ranks.on_rank0(rundir.resolve, args)
 
     # ---- data: every rank builds the same global batches; a TP group takes its FSDP index's share of each.
-    tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    batches = run.global_batches(args, train_set)
+    tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
+    batches = batching.global_batches(args, train_set)
     # Every FSDP forward is a collective: every TP group must run as many eval micro-batches.
-    eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size, dp_rank, dp, even=True)
+    eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.micro_batch_size, dp_rank, dp, even=True)
 
     # ---- model: the whole base and the PEFT LoRA built on every rank (the same seed, the same init), as in tp-ft:
     # each GPU holds the whole base until it is sharded (8 GB for Qwen3-4B). A model near a GPU's memory needs
     # fsdp-ft's route instead: rank 0 loads into host memory, the others build on the meta device. Checkpointing
     # is non-reentrant, inside each layer's forward: FSDP's hooks stay outside, the TP collectives are recomputed.
-    model = run.load_lora_model(args, dtype, device, len(tokenizer))
-    run.seed_dropout(args.seed, stream=dp_rank)  # a TP group's ranks hold the same tokens: one stream per group
-    compiled = models.compile_layers(model, args.compile)  # --compile: each decoder layer, in place, before TP+FSDP
+    model = prepare.load_lora_model(args, dtype, device, len(tokenizer))
+    checkpoint.seed_dropout(args.seed, stream=dp_rank)  # a TP group's ranks hold the same tokens: one stream per group
+    compiled = compilation.compile_layers(
+        model, args.compile
+    )  # --compile: each decoder layer, in place, before TP+FSDP
     config = model.config
     token_bytes = config.hidden_size * dtype.itemsize  # a token's activation between blocks, for the comm theory
     peft_config = model.peft_config["default"]
@@ -148,17 +166,17 @@ def main() -> None:
     fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
     metrics.release_cached_memory(device)  # the whole model this rank built, but its shards, back to the driver
     counts = models.parameter_counts(model)
-    run.print0(
+    ranks.print0(
         f"mesh {dp} x {tp} (dp x tp); parameters: {counts['trainable']:,} trainable, {counts['frozen']:,} frozen"
     )
     shard_bytes = sum(p.to_local().numel() * p.to_local().element_size() for p in model.parameters())
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer, scheduler = run.adamw_cosine(trainable, args)
+    optimizer, scheduler = optim.adamw_cosine(trainable, args)
     # Resumed (0 without --resume): each rank reads its own pieces (torch.distributed.checkpoint), the RNG its own.
-    start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler)
+    start_step = checkpoint.load_sharded(resume_from, model, optimizer, scheduler)
 
-    log = run.start_log(
+    log = rundir.start_log(
         args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, n_lora, mesh=[dp, tp]
     )
     # Collectives per mesh dimension: FSDP2 calls torch.distributed on the `dp` group (`comm.recording`), DTensor's
@@ -180,17 +198,17 @@ def main() -> None:
             with metrics.StepTimer(device) as timer:
                 with comm.recording(dp_recorder), tp_recording:
                     for j, mb in enumerate(micro_batches):
-                        mb = data.to_device(mb, device)
+                        mb = batching.to_device(mb, device)
                         model.set_requires_gradient_sync(j == len(micro_batches) - 1)  # reduce-scatter once
-                        logits = models.answer_logits(model, mb)
-                        loss = data.token_loss_sum(logits, mb["targets"]) / n_target
+                        logits = lora.answer_logits(model, mb)
+                        loss = batching.token_loss_sum(logits, mb["targets"]) / n_target
                         del logits
                         # This TP group's share of the global loss; FSDP's reduce-scatter averages over the DP
                         # groups, so scale by DP to sum them. Within a TP group every rank has the same loss.
                         (loss * dp).backward()
                         loss_sum += loss.detach()
                 grad_norm = clip_grads(trainable, args.max_grad_norm, tp)  # outside the accounting
-                lr = run.optimizer_step(optimizer, scheduler)
+                lr = optim.optimizer_step(optimizer, scheduler)
             dist.all_reduce(loss_sum, group=dp_group)  # the DP groups' shares of the global loss
             loss_value, grad_norm = metrics.host_values(loss_sum, grad_norm)
             row = log.row(
@@ -207,13 +225,13 @@ def main() -> None:
                 **({"comm_tp": tp_recorder.take()} if sampled else {}),
             )
             if evals:
-                sums = run.eval_loss_sums(model, eval_batches, device)
+                sums = evaluation.loss_sums(model, eval_batches, device)
                 model.reshard()  # FSDP2 keeps the root unsharded after a forward without backward: free it
                 dist.all_reduce(sums, group=dp_group)
                 row["eval_loss"] = (sums[0] / sums[1]).item()
             log.log(row)
             if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
-                run.save_sharded_checkpoint(run_dir, step + 1, model, optimizer, scheduler, args)
+                checkpoint.save_sharded(run_dir, step + 1, model, optimizer, scheduler, args)
             profiler.step(step + 1)
     log.close()
 
@@ -224,14 +242,14 @@ def main() -> None:
         full = get_model_state_dict(model, options=options)
         if rank == 0:
             weights = get_peft_model_state_dict(model, state_dict=full, save_embedding_layers=False)
-            run.save_adapter(run_dir / "adapter", weights, peft_config)
+            checkpoint.save_adapter(run_dir / "adapter", weights, peft_config)
     if rank != 0:
         return
     summary = log.run_summary(
         last_step,
         predicted=metrics.predicted_memory(config, args, "fsdp", world_size=world, tp=tp),
         note=metrics.memory_note(device),
-        compile=models.compile_report(compiled),
+        compile=compilation.compile_report(compiled),
         mesh={"dp": dp, "tp": tp},
         param_shard_bytes=shard_bytes,
         # Theory per optimizer step on the `dp` dimension, bytes of the whole buffers, as in fsdp-ft but of this TP
@@ -249,8 +267,8 @@ def main() -> None:
         "group, on sampled steps (the first run and every eval step); bytes of the whole buffers; time_s from issue "
         "to completion (the FSDP works' futures; the wait on each functional collective's result)",
     )
-    run.finish(args, run_dir, summary, finished)
+    rundir.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":
-    run.launch(main)
+    ranks.launch(main)

@@ -29,7 +29,24 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, schedules
 
-from ftkit import comm, data, metrics, models, run
+from ftkit import (
+    batching,
+    checkpoint,
+    cli,
+    comm,
+    compilation,
+    data,
+    errors,
+    evaluation,
+    lora,
+    metrics,
+    models,
+    optim,
+    pipeline_timing,
+    prepare,
+    ranks,
+    rundir,
+)
 from ftkit.profiling import StepProfiler
 
 SCHEDULES = {
@@ -49,7 +66,7 @@ PADDED_WHY = (
 
 
 def parse_args():
-    p = run.common_parser(__doc__.splitlines()[0], experiment="pp-ft")
+    p = cli.common_parser(__doc__.splitlines()[0], experiment="pp-ft")
     g = p.add_argument_group("pipeline")
     g.add_argument(
         "--schedule",
@@ -67,17 +84,17 @@ def parse_args():
         help="pipeline micro-batches per optimizer step; sets --micro-batch-size to --batch-size / this",
     )
     micro_given = "--micro-batch-size" in sys.argv
-    args = run.resolve(p.parse_args())
+    args = cli.resolve(p.parse_args())
     if args.microbatches is not None:
         if args.microbatches <= 0 or args.batch_size % args.microbatches:
-            raise run.RunError(
+            raise errors.RunError(
                 f"--microbatches {args.microbatches} must divide --batch-size {args.batch_size} into equal "
                 "micro-batches"
             )
         if micro_given and args.micro_batch_size * args.microbatches != args.batch_size:
-            raise run.RunError("--microbatches and --micro-batch-size disagree; give one of them")
+            raise errors.RunError("--microbatches and --micro-batch-size disagree; give one of them")
         args.micro_batch_size = args.batch_size // args.microbatches
-    run.padded_only(args, PADDED_WHY)  # said once, here and in the summary
+    cli.padded_only(args, PADDED_WHY)  # said once, here and in the summary
     return args
 
 
@@ -89,7 +106,7 @@ def stage_layout(num_layers: int, world: int, schedule: str) -> tuple[int, int]:
     stages = world * len(rank_stages(0, world, schedule))
     if num_layers % stages:
         divisors = [d for d in range(1, num_layers + 1) if num_layers % d == 0]
-        raise run.RunError(
+        raise errors.RunError(
             f"{stages} pipeline stages ({world} ranks x {stages // world} per rank with --schedule {schedule}) do "
             f"not divide the model's {num_layers} layers evenly; the stage count must be one of {divisors}"
         )
@@ -151,7 +168,7 @@ def pipeline_stage(module: Stage, sid: int, n_stages: int, device, args, config)
     back for each output and goes back for each input). Else the schedule infers them inside the timed step, at step
     1 and after each eval() (a mode flip): a real forward and backward of every stage, the loss on the last."""
     shape = (args.micro_batch_size, args.max_length)
-    hidden = torch.empty(*shape, config.hidden_size, dtype=run.torch_dtype(args.dtype), device="meta").requires_grad_()
+    hidden = torch.empty(*shape, config.hidden_size, dtype=cli.torch_dtype(args.dtype), device="meta").requires_grad_()
     ids = torch.empty(shape, dtype=torch.long, device="meta")
     return PipelineStage(module, sid, n_stages, device, input_args=ids if sid == 0 else hidden, output_args=hidden)
 
@@ -172,33 +189,33 @@ def global_adapter_key(stage_name: str, first_layer: int) -> str:
 def main() -> None:
     args = parse_args()
     # ---- process group: one process per GPU; each owns one pipeline stage (two with interleaved 1F1B).
-    device = run.device_for(args, run.torchrun_local_rank())
-    run.share_cpu_cores(device)
+    device = ranks.device_for(args, ranks.torchrun_local_rank())
+    ranks.share_cpu_cores(device)
     world = int(os.environ["WORLD_SIZE"])
     if world < 2:
-        raise run.RunError("a pipeline needs at least 2 ranks: torchrun --nproc_per_node=2 (or more)")
+        raise errors.RunError("a pipeline needs at least 2 ranks: torchrun --nproc_per_node=2 (or more)")
     # Refused here, before the data, the group or any weight: stages must split the layers evenly.
     n_stages, per_stage = stage_layout(models.model_config(args.model).num_hidden_layers, world, args.schedule)
     # Pipelining is not data parallelism: every micro-batch of the step goes through every rank.
-    accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
+    accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
     # Downloads before the group exists: no rank waits in a collective meanwhile (the group's 30-minute timeout).
     models.fetch(args.model)
     splits = data.load_splits(args.data, args.data_revision)
-    run.init_process_group(device)  # "cpu:gloo,cuda:nccl" on GPUs
+    ranks.init_process_group(device)  # "cpu:gloo,cuda:nccl" on GPUs
     rank = dist.get_rank()
     stage_ids = rank_stages(rank, world, args.schedule)
-    dtype = run.torch_dtype(args.dtype)
-    run_dir, resume_from = run.on_rank0(run.resolve_run_dir, args)
+    dtype = cli.torch_dtype(args.dtype)
+    run_dir, resume_from = ranks.on_rank0(rundir.resolve, args)
 
     # ---- data: the same global batches on every rank (rank 0 of 1 data-parallel replica)
-    tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    batches = data.GlobalBatches(train_set, args.batch_size, args.seed)
+    tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
+    batches = batching.GlobalBatches(train_set, args.batch_size, args.seed)
 
     def padded(items: list) -> dict[str, torch.Tensor]:
         # Every micro-batch, of every step and of the eval, is (micro, --max-length): the stages' given shape
         # (`pipeline_stage`). The last stage's target packs, per row, the positions whose logits the loss needs and
         # the tokens they predict ([rows, 2, k]), so the schedule cuts both into micro-batches with the inputs.
-        mb = data.collate(items)
+        mb = batching.collate(items)
         return {
             "input_ids": nn.functional.pad(mb["input_ids"], (0, args.max_length - mb["input_ids"].shape[1])),
             "target": torch.stack([mb["logit_positions"], mb["targets"]], dim=1),
@@ -211,7 +228,7 @@ def main() -> None:
         b["target"][len(group) :, 1] = data.IGNORE_INDEX
         return b
 
-    eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.batch_size, collate=eval_batch)
+    eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.batch_size, collate=eval_batch)
     eval_targets = sum(int((b["target"][:, 1] != data.IGNORE_INDEX).sum()) for b in eval_batches)
 
     # ---- model: every rank builds the whole frozen base and the whole LoRA adapter from the seed (the same
@@ -219,14 +236,16 @@ def main() -> None:
     # 100B+ model would be built on the meta device and each rank would load only its stages' weights.
     # Checkpointing: each decoder layer recomputes its activations in backward; the stages call the layers
     # directly, and a layer applies the checkpointing itself (transformers' GradientCheckpointingLayer).
-    model = run.load_lora_model(args, dtype, device, len(tokenizer))
-    run.seed_dropout(args.seed, stream=rank)  # each rank runs other layers: masks of their own
-    compiled = models.compile_layers(model, args.compile)  # --compile: each decoder layer, before the stages take them
+    model = prepare.load_lora_model(args, dtype, device, len(tokenizer))
+    checkpoint.seed_dropout(args.seed, stream=rank)  # each rank runs other layers: masks of their own
+    compiled = compilation.compile_layers(
+        model, args.compile
+    )  # --compile: each decoder layer, before the stages take them
     config = model.config
-    model = models.adapters_compute_in(model, dtype)  # bf16 compute (autocast), fp32 weights: as single-gpu-ft
+    model = lora.adapters_compute_in(model, dtype)  # bf16 compute (autocast), fp32 weights: as single-gpu-ft
     counts = models.parameter_counts(model)
     adapter_config = model.peft_config["default"]
-    run.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
+    ranks.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
 
     # ---- pipeline: a Stage per stage id, wrapped in a PipelineStage that owns its point-to-point buffers
     lm = model.base_model.model
@@ -247,10 +266,10 @@ def main() -> None:
 
     def loss_fn(hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         logits = modules[-1].logits(hidden, target[:, 0])
-        return data.token_loss_sum(logits, target[:, 1]) / denominator[0]
+        return batching.token_loss_sum(logits, target[:, 1]) / denominator[0]
 
     # The bubble's clock: every forward, loss and backward the schedule runs on this rank, timed as compute.
-    timer_actions = metrics.ActionTimer(stages, device)
+    timer_actions = pipeline_timing.ActionTimer(stages, device)
     schedule = SCHEDULES[args.schedule](
         stages if len(stages) > 1 else stages[0],
         n_microbatches=accum,
@@ -261,20 +280,22 @@ def main() -> None:
     comm.record_stage_sends(stages, recorder)
 
     trainable = [p for m in modules for p in m.parameters() if p.requires_grad]  # this rank's stages only
-    optimizer, scheduler = run.adamw_cosine(trainable, args)
+    optimizer, scheduler = optim.adamw_cosine(trainable, args)
 
     # This rank's LoRA weights under the full model's adapter keys (unique across stages).
-    lora = {
+    adapter = {
         global_adapter_key(n, m.first_layer): p for m in modules for n, p in m.named_parameters() if p.requires_grad
     }
 
     # ---- resume: each rank reads back its stages' LoRA weights, their optimizer state and its RNG (rank<r>.pt)
     start_step = 0
     if resume_from is not None:
-        state = run.read_checkpoint_state(resume_from, ())
+        state = checkpoint.read_state(resume_from, ())
         if state.get("schedule") != args.schedule:  # another schedule deals the layers into other stages
-            raise run.RunError(f"{resume_from} was written with --schedule {state.get('schedule')}; resume it with it")
-        start_step = run.load_rank_checkpoint(resume_from, lora, optimizer, scheduler)
+            raise errors.RunError(
+                f"{resume_from} was written with --schedule {state.get('schedule')}; resume it with it"
+            )
+        start_step = checkpoint.load_per_rank(resume_from, adapter, optimizer, scheduler)
 
     pipeline = {
         "schedule": args.schedule,
@@ -284,7 +305,7 @@ def main() -> None:
         "layers_per_stage": per_stage,
         "microbatches": accum,
     }
-    log = run.start_log(
+    log = rundir.start_log(
         args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, pipeline=pipeline
     )
 
@@ -300,8 +321,8 @@ def main() -> None:
             m.eval()
         for b in eval_batches:
             losses: list[torch.Tensor] = []
-            with torch.set_grad_enabled(v_shaped), models.compute_autocast(device, dtype):
-                b = data.to_device(b, device)
+            with torch.set_grad_enabled(v_shaped), lora.compute_autocast(device, dtype):
+                b = batching.to_device(b, device)
                 run_eval = schedule.step if v_shaped else schedule.eval
                 run_eval(*([b["input_ids"]] if has_first else []), target=b["target"], losses=losses)
             if has_last:
@@ -320,7 +341,7 @@ def main() -> None:
         for step in range(start_step, last_step):
             metrics.reset_peak_memory(device)
             denominator[0] = batches.n_target(step)  # target tokens of the whole global batch
-            batch = data.to_device(padded([batches.data[i] for i in batches.indices(step)]), device)
+            batch = batching.to_device(padded([batches.data[i] for i in batches.indices(step)]), device)
             losses: list[torch.Tensor] = []
             with metrics.StepTimer(device) as timer:
                 timer_actions.start()
@@ -328,12 +349,12 @@ def main() -> None:
                 # backwards in its order; the first stage reads the input ids, the last the targets. It runs
                 # the stages' forwards in this thread, so autocast around it reaches them.
                 inputs = [batch["input_ids"]] if has_first else []
-                with models.compute_autocast(device, dtype):
+                with lora.compute_autocast(device, dtype):
                     schedule.step(*inputs, target=batch["target"] if has_last else None, losses=losses)
                 timer_actions.stop()
                 # The whole model's gradient norm: each rank holds its stages' share, summed across the ranks.
-                grad_norm = run.clip_grads_over_ranks(trainable, args.max_grad_norm)
-                lr = run.optimizer_step(optimizer, scheduler)  # AdamW on this rank's stages; the rate it ran at
+                grad_norm = optim.clip_grads_over_ranks(trainable, args.max_grad_norm)
+                lr = optim.optimizer_step(optimizer, scheduler)  # AdamW on this rank's stages; the rate it ran at
             # The loss lives on the last stage: broadcast it on the device, then the step's one host sync for
             # every device scalar the metrics need.
             loss = torch.stack(losses).detach().sum() if has_last else torch.zeros((), device=device)
@@ -352,7 +373,9 @@ def main() -> None:
                 target_tokens=denominator[0],
                 lengths=batches.lengths(step),  # real tokens of the global batch: known on the host
                 seconds=timer.seconds,
-                **metrics.pipeline_step(every),  # the sends, busy / idle time, bubble, stage forwards of every rank
+                **pipeline_timing.pipeline_step(
+                    every
+                ),  # the sends, busy / idle time, bubble, stage forwards of every rank
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
                 row["eval_loss"] = eval_loss()
@@ -362,7 +385,7 @@ def main() -> None:
                 dist.all_gather_object(events, step_events)
                 timeline = {"ranks": world, "stages": n_stages, "microbatches": accum, "events": events}
             if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
-                run.save_rank_checkpoint(run_dir, step + 1, lora, optimizer, scheduler, args, schedule=args.schedule)
+                checkpoint.save_per_rank(run_dir, step + 1, adapter, optimizer, scheduler, args, schedule=args.schedule)
             profiler.step(step + 1)
     log.close()
 
@@ -370,17 +393,17 @@ def main() -> None:
     # under the full model's keys (global layer indices)
     finished = last_step == args.max_steps
     if finished:
-        run.save_gathered_adapter(run_dir / "adapter", lora, adapter_config)
+        checkpoint.save_gathered_adapter(run_dir / "adapter", adapter, adapter_config)
     if rank != 0:
         return
     if timeline is not None:
         (run_dir / "timeline.json").write_text(json.dumps(timeline))
     # The bubble's theory, equal-cost stages and free transfers: (p-1)/(m+p-1) for GPipe and 1F1B (Huang et al.
     # 2019, arXiv 1811.06965); for the multi-stage schedules, the action order they run, with equal F, I, W times
-    # (ftkit.metrics.schedule_bubble): (p-1)/(v*m+p-1) for interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2),
+    # (ftkit.pipeline_timing.schedule_bubble): (p-1)/(v*m+p-1) for interleaved 1F1B (Narayanan et al. 2021, Sec. 2.2),
     # (p-1)/(3*v*m+p-1) for the zero-bubble ones, ZB-H1's (p-1)(T_F+T_B-T_W) per stage (Qi et al. 2023, Table 2).
     order = schedule.pipeline_order if len(stages) > 1 else None  # GPipe's and 1F1B's run from a loop of their own
-    theory = (world - 1) / (accum + world - 1) if order is None else metrics.schedule_bubble(order)
+    theory = (world - 1) / (accum + world - 1) if order is None else pipeline_timing.schedule_bubble(order)
     rows = log.rows
     summary = log.run_summary(
         last_step,
@@ -395,8 +418,8 @@ def main() -> None:
             num_microbatches=accum,
         ),
         note=metrics.memory_note(device, "(predicted: the busiest stage; beyond 1F1B: GPipe's, an upper bound) "),
-        compile=models.compile_report(compiled),
-        **metrics.bubble_summary(rows, world, theory, order, timeline),
+        compile=compilation.compile_report(compiled),
+        **pipeline_timing.bubble_summary(rows, world, theory, order, timeline),
         # Each micro-batch crosses every boundary between ranks once forward (activations) and once backward
         # (their gradients): micro x --max-length x hidden x bytes, 2 (stages - 1) m times per step (fewer on
         # the V schedules, whose middle boundary lies inside one rank).
@@ -406,8 +429,8 @@ def main() -> None:
         "forward, their gradients backward), counted where the stages build them; time is not measured",
         packing=getattr(args, "padded_why", "off (--no-packing)"),
     )
-    run.finish(args, run_dir, summary, finished)
+    rundir.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":
-    run.launch(main)
+    ranks.launch(main)

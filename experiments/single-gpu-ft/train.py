@@ -17,35 +17,50 @@ import safetensors.torch
 import torch
 from peft import set_peft_model_state_dict
 
-from ftkit import data, metrics, models, run
+from ftkit import (
+    batching,
+    checkpoint,
+    cli,
+    compilation,
+    data,
+    errors,
+    evaluation,
+    lora,
+    metrics,
+    models,
+    optim,
+    prepare,
+    ranks,
+    rundir,
+)
 from ftkit.profiling import StepProfiler
 
 
 def parse_args():
-    p = run.common_parser(__doc__.splitlines()[0], experiment="single-gpu-ft")
+    p = cli.common_parser(__doc__.splitlines()[0], experiment="single-gpu-ft")
     p.add_argument(
         "--quant",
         choices=["nf4", "none"],
         default="nf4",
         help="nf4: QLoRA (4-bit NF4 base, double quant); none: LoRA on a bf16/fp32 base",
     )
-    return run.resolve(p.parse_args())
+    return cli.resolve(p.parse_args())
 
 
 def main() -> None:
     args = parse_args()
-    device = run.device_for(args)
-    dtype = run.torch_dtype(args.dtype)
-    run_dir, resume_from = run.resolve_run_dir(args)
+    device = ranks.device_for(args)
+    dtype = cli.torch_dtype(args.dtype)
+    run_dir, resume_from = rundir.resolve(args)
     models.fetch(args.model)  # the model's files (a download on a first run), or one clear line if it cannot be had
 
     # ---- data: AMI examples in Qwen3's chat format, loss only on the answer, length-grouped global batches,
     # packed into rows of up to --max-length positions (several examples each; --no-packing: one padded example per row)
     splits = data.load_splits(args.data, args.data_revision)
-    tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    batches = run.global_batches(args, train_set)
-    accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
-    eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
+    tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
+    batches = batching.global_batches(args, train_set)
+    accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
+    eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.micro_batch_size)
 
     # ---- model: frozen base (4-bit NF4 for QLoRA) + trainable LoRA on all seven projections
     model = models.load_model(
@@ -54,41 +69,41 @@ def main() -> None:
     config = model.config
     # Frozen base, activation checkpointing (non-reentrant: works with frozen inputs and, later, with DDP). The
     # embedding, lm_head and norms stay in the compute dtype (bf16 on GPUs), as in the bf16-LoRA runs.
-    model = models.freeze_base(model, args.grad_checkpointing)
-    model = models.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
-    run.seed_dropout(args.seed, stream=0)  # the dropout masks' stream (each data-parallel rank has its own)
-    compiled = models.compile_layers(model, args.compile)  # --compile: each decoder layer, in place (one graph)
+    model = lora.freeze_base(model, args.grad_checkpointing)
+    model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+    checkpoint.seed_dropout(args.seed, stream=0)  # the dropout masks' stream (each data-parallel rank has its own)
+    compiled = compilation.compile_layers(model, args.compile)  # --compile: each decoder layer, in place (one graph)
     # The adapters compute in bf16 (under autocast) with fp32 weights: no fp32 copy of an activation, no fp32 GEMM.
-    model = models.adapters_compute_in(model, dtype)
+    model = lora.adapters_compute_in(model, dtype)
     counts = models.parameter_counts(model)
     print(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer, scheduler = run.adamw_cosine(trainable, args)
+    optimizer, scheduler = optim.adamw_cosine(trainable, args)
 
     # ---- resume: adapter, optimizer, scheduler and RNG; the data position is the step itself
     start_step = 0
     if resume_from is not None:
-        state = run.read_checkpoint_state(resume_from, ("adapter/adapter_model.safetensors", "optimizer.pt", "rng.pt"))
+        state = checkpoint.read_state(resume_from, ("adapter/adapter_model.safetensors", "optimizer.pt", "rng.pt"))
         try:
             weights = safetensors.torch.load_file(resume_from / "adapter" / "adapter_model.safetensors")
         except Exception as e:
-            raise run.CheckpointError(f"{resume_from}/adapter: corrupt adapter ({e})") from e
+            raise errors.CheckpointError(f"{resume_from}/adapter: corrupt adapter ({e})") from e
         set_peft_model_state_dict(model, weights)
-        opt = run.load_torch(resume_from / "optimizer.pt")
+        opt = checkpoint.load_torch(resume_from / "optimizer.pt")
         optimizer.load_state_dict(opt["optimizer"])
         scheduler.load_state_dict(opt["scheduler"])
-        run.set_rng_state(run.load_torch(resume_from / "rng.pt"))
+        checkpoint.set_rng_state(checkpoint.load_torch(resume_from / "rng.pt"))
         start_step = state["step"]
 
-    log = run.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config)
+    log = rundir.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config)
 
     def save_checkpoint(step: int) -> None:
-        tmp = run.staging_dir(run_dir, step)
+        tmp = checkpoint.staging_dir(run_dir, step)
         model.save_pretrained(tmp / "adapter", save_embedding_layers=False)
         torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
-        torch.save(run.rng_state(), tmp / "rng.pt")
-        run.commit_checkpoint(tmp, step, {"seed": args.seed}, args.keep_checkpoints)
+        torch.save(checkpoint.rng_state(), tmp / "rng.pt")
+        checkpoint.commit(tmp, step, {"seed": args.seed}, args.keep_checkpoints)
 
     # ---- train
     model.train()
@@ -100,18 +115,18 @@ def main() -> None:
             loss_sum = torch.zeros((), device=device)
             with metrics.StepTimer(device) as timer:
                 for mb in batches.micro_batches(step, args.micro_batch_size):
-                    mb = data.to_device(mb, device)
+                    mb = batching.to_device(mb, device)
                     # The lm_head runs on the answer positions only: the loss needs no other logits. Packed rows: the
                     # position_ids restart at every example, and with no mask and no KV cache that keeps each
-                    # example's attention to itself (data.collate_packed); padded rows need no mask (causal).
-                    with models.compute_autocast(device, dtype):
+                    # example's attention to itself (batching.collate_packed); padded rows need no mask (causal).
+                    with lora.compute_autocast(device, dtype):
                         out = model(
                             input_ids=mb["input_ids"],
                             position_ids=mb.get("position_ids"),
                             logits_to_keep=mb["logit_positions"],
                             use_cache=False,
                         )
-                        loss = data.token_loss_sum(out.logits, mb["targets"]) / n_target
+                        loss = batching.token_loss_sum(out.logits, mb["targets"]) / n_target
                     del out  # the logits are freed by backward, not kept alive into the next forward
                     loss.backward()
                     loss_sum += loss.detach()
@@ -134,7 +149,7 @@ def main() -> None:
                 **batches.layout(step, args.micro_batch_size),  # micro-steps, and the share of positions padded
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
-                sums = run.eval_loss_sums(model, eval_batches, device, dtype)
+                sums = evaluation.loss_sums(model, eval_batches, device, dtype)
                 row["eval_loss"] = (sums[0] / sums[1]).item()
             log.log(row)
             if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
@@ -150,10 +165,10 @@ def main() -> None:
         last_step,
         predicted=metrics.predicted_memory(config, args, "single", quant=args.quant),
         note=metrics.memory_note(device),
-        compile=models.compile_report(compiled),
+        compile=compilation.compile_report(compiled),
     )
-    run.finish(args, run_dir, summary, finished)
+    rundir.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":
-    run.launch(main)
+    ranks.launch(main)

@@ -24,7 +24,22 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from ftkit import comm, data, metrics, models, run
+from ftkit import (
+    batching,
+    checkpoint,
+    cli,
+    comm,
+    compilation,
+    errors,
+    evaluation,
+    lora,
+    metrics,
+    models,
+    optim,
+    prepare,
+    ranks,
+    rundir,
+)
 from ftkit.profiling import StepProfiler
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features (heads, MLP columns) split
@@ -32,7 +47,7 @@ ROW = ("o_proj", "down_proj")  # input features split; each rank adds its partia
 
 
 def parse_args():
-    p = run.common_parser(__doc__.splitlines()[0], experiment="tp-ft")
+    p = cli.common_parser(__doc__.splitlines()[0], experiment="tp-ft")
     g = p.add_argument_group("tensor parallel")
     g.add_argument(
         "--naive-plan",
@@ -46,8 +61,8 @@ def parse_args():
         help="record DTensor's collectives on every step; by default only on sampled steps (the first step run "
         "and every eval step), since the dispatch mode that sees them runs Python on every op of the step",
     )
-    run.add_dump_flags(g)  # --dump-grads, --dump-logits: for the tests' one-device comparison
-    return run.resolve(p.parse_args())
+    cli.add_dump_flags(g)  # --dump-grads, --dump-logits: for the tests' one-device comparison
+    return cli.resolve(p.parse_args())
 
 
 # ---- the plan. ColwiseParallel shards a Linear's weight by output rows (Shard(0)) and expects a replicated input;
@@ -88,9 +103,9 @@ def clip_grads(trainable: list[torch.nn.Parameter], max_norm: float) -> torch.Te
     the factor left on the device: the DTensor shards' squares summed over the mesh, the replicated adapters
     counted once. (clip_grad_norm_ itself refuses a mix of DTensor and plain tensors.)"""
     device = trainable[0].device
-    sq = run.squares_sum([p.grad.to_local() for p in trainable if isinstance(p.grad, DTensor)], device)
+    sq = optim.squares_sum([p.grad.to_local() for p in trainable if isinstance(p.grad, DTensor)], device)
     dist.all_reduce(sq)
-    norm = (sq + run.squares_sum([p.grad for p in trainable if not isinstance(p.grad, DTensor)], device)).sqrt()
+    norm = (sq + optim.squares_sum([p.grad for p in trainable if not isinstance(p.grad, DTensor)], device)).sqrt()
     if max_norm > 0:
         coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
         torch._foreach_mul_([p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in trainable], coef)
@@ -113,29 +128,29 @@ def full_lora(model, grads: bool = False) -> dict[str, torch.Tensor]:
 def main() -> None:
     args = parse_args()
     # ---- process group: one process per GPU; all of them form one tensor-parallel group, whose degree must deal
-    # out whole heads (refused from the config before the data, the group or any weight: `run.start_ranks`).
-    device, splits = run.start_ranks(args, tp=int(os.environ["WORLD_SIZE"]))
+    # out whole heads (refused from the config before the data, the group or any weight: `prepare.start_ranks`).
+    device, splits = prepare.start_ranks(args, tp=int(os.environ["WORLD_SIZE"]))
     rank, tp = dist.get_rank(), dist.get_world_size()
     # TP does not split the batch: data-parallel degree 1, every rank runs every micro-batch.
-    accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
-    dtype = run.torch_dtype(args.dtype)
-    run_dir, resume_from = run.on_rank0(run.resolve_run_dir, args)
+    accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
+    dtype = cli.torch_dtype(args.dtype)
+    run_dir, resume_from = ranks.on_rank0(rundir.resolve, args)
 
     # ---- data: every rank builds the same global batches and runs all of them (rank 0 of a world of 1).
-    tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    batches = run.global_batches(args, train_set)
-    eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
+    tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
+    batches = batching.global_batches(args, train_set)
+    eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.micro_batch_size)
 
     # ---- model: the whole bf16 base and the PEFT LoRA are built on every rank (the same seed, the same init),
     # then each rank keeps its slices. A real-size run would load only its shard; here clarity wins. Checkpointing
     # is non-reentrant: backward recomputes each layer, and with it the layer's forward collectives.
-    model = run.load_lora_model(args, dtype, device, len(tokenizer))
-    run.seed_dropout(args.seed, stream=0)  # every rank holds the same tokens: the same masks on each
-    compiled = models.compile_layers(model, args.compile)  # --compile: each decoder layer, in place, before TP
+    model = prepare.load_lora_model(args, dtype, device, len(tokenizer))
+    checkpoint.seed_dropout(args.seed, stream=0)  # every rank holds the same tokens: the same masks on each
+    compiled = compilation.compile_layers(model, args.compile)  # --compile: each decoder layer, in place, before TP
     config = model.config
     token_bytes = config.hidden_size * dtype.itemsize  # a token's activation between blocks, for the comm theory
     # bf16 compute (autocast casts the fp32 adapter weights, DTensor shards included), fp32 master weights.
-    model = models.adapters_compute_in(model, dtype)
+    model = lora.adapters_compute_in(model, dtype)
     peft_config = model.peft_config["default"]
     n_lora = models.parameter_counts(model)["trainable"]  # the whole adapter, for the FLOP count
     # ---- tensor parallel: each decoder layer's projections (and their adapters) become DTensors sharded over
@@ -150,16 +165,16 @@ def main() -> None:
         p.requires_grad_("lora_" in name)
     metrics.release_cached_memory(device)  # the whole model this rank built, but its slices, back to the driver
     counts = models.parameter_counts(model)
-    run.print0(f"parameters (whole model): {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
+    ranks.print0(f"parameters (whole model): {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer, scheduler = run.adamw_cosine(trainable, args)
+    optimizer, scheduler = optim.adamw_cosine(trainable, args)
 
     # ---- resume: the adapter's DTensor shards and replicated tensors and the optimizer state (each rank reads its
     # own pieces with torch.distributed.checkpoint), the scheduler and each rank's RNG.
-    start_step = run.load_sharded_checkpoint(resume_from, model, optimizer, scheduler)  # 0 without --resume
+    start_step = checkpoint.load_sharded(resume_from, model, optimizer, scheduler)  # 0 without --resume
 
-    log = run.start_log(
+    log = rundir.start_log(
         args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, n_lora, tensor_parallel=tp
     )
     recorder = comm.CommRecorder(device)
@@ -179,27 +194,27 @@ def main() -> None:
             with metrics.StepTimer(device) as timer:
                 with comm.recording_functional(recorder) if sampled else contextlib.nullcontext():
                     for mb in batches.micro_batches(step, args.micro_batch_size):
-                        mb = data.to_device(mb, device)
+                        mb = batching.to_device(mb, device)
                         try:
-                            with models.compute_autocast(device, dtype):
-                                logits = models.answer_logits(model, mb)  # the lm_head on the answer positions only
+                            with lora.compute_autocast(device, dtype):
+                                logits = lora.answer_logits(model, mb)  # the lm_head on the answer positions only
                         except RuntimeError as e:
                             if not args.naive_plan:
                                 raise
-                            raise run.RunError(
+                            raise errors.RunError(
                                 f"--naive-plan: the forward failed, as it must: {e}. The base layers return 1/{tp} "
                                 "of their features (or a partial sum) on each rank, the unsharded LoRA branch returns "
                                 "all of them, and PEFT adds the two. Shard the adapters like their base (the default "
                                 "plan)."
                             ) from e
-                        loss = data.token_loss_sum(logits, mb["targets"]) / n_target
+                        loss = batching.token_loss_sum(logits, mb["targets"]) / n_target
                         del logits  # freed by backward, not kept alive into the next forward
                         loss.backward()  # the same loss on every rank: no scaling by the world size
                         loss_sum += loss.detach()
                 if args.dump_grads and step == 2:
-                    run.dump_grads(full_lora(model, grads=True), run_dir, rank)
+                    rundir.dump_grads(full_lora(model, grads=True), run_dir, rank)
                 grad_norm = clip_grads(trainable, args.max_grad_norm)
-                lr = run.optimizer_step(optimizer, scheduler)  # AdamW on this rank's shards; the rate it ran at
+                lr = optim.optimizer_step(optimizer, scheduler)  # AdamW on this rank's shards; the rate it ran at
             # The step's one host sync: every device scalar the metrics need, copied together.
             loss_value, grad_norm = metrics.host_values(loss_sum, grad_norm)
             step_comm = recorder.take()
@@ -216,11 +231,11 @@ def main() -> None:
                 **({"comm": step_comm} if sampled else {}),
             )
             if evals:
-                sums = run.eval_loss_sums(model, eval_batches, device, dtype)  # the same on every rank
+                sums = evaluation.loss_sums(model, eval_batches, device, dtype)  # the same on every rank
                 row["eval_loss"] = (sums[0] / sums[1]).item()
             log.log(row)
             if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
-                run.save_sharded_checkpoint(run_dir, step + 1, model, optimizer, scheduler, args)
+                checkpoint.save_sharded(run_dir, step + 1, model, optimizer, scheduler, args)
             profiler.step(step + 1)
     log.close()
 
@@ -228,16 +243,16 @@ def main() -> None:
     finished = last_step == args.max_steps
     adapter = full_lora(model) if finished else None
     if args.dump_logits and finished:
-        run.dump_logits(model, eval_batches[0], device, run_dir / "logits.pt", rank, dtype)
+        rundir.dump_logits(model, eval_batches[0], device, run_dir / "logits.pt", rank, dtype)
     if rank != 0:
         return
     if finished:
-        run.save_adapter(run_dir / "adapter", adapter, peft_config)
+        checkpoint.save_adapter(run_dir / "adapter", adapter, peft_config)
     summary = log.run_summary(
         last_step,
         predicted=metrics.predicted_memory(config, args, "tp", world_size=tp),
         note=metrics.memory_note(device),
-        compile=models.compile_report(compiled),
+        compile=compilation.compile_report(compiled),
         # Theory: RowwiseParallel all-reduces the partial outputs of o_proj and down_proj (and of their lora_A) in
         # forward; every ColwiseParallel module all-reduces the gradient of its own replicated input in backward:
         # q, k, v, gate, up (and their lora_B), one each (`comm.tp_all_reduce_theory`).
@@ -250,8 +265,8 @@ def main() -> None:
         "Recorded on sampled steps only (the first step run and every eval step; all with --comm-every-step): "
         "the rows with a `comm` entry, and the means here are over those rows",
     )
-    run.finish(args, run_dir, summary, finished)
+    rundir.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":
-    run.launch(main)
+    ranks.launch(main)

@@ -16,7 +16,7 @@ from pathlib import Path
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
-from ftkit import generation, run
+from ftkit import errors, generation
 
 
 def add_flags(p) -> None:
@@ -26,7 +26,7 @@ def add_flags(p) -> None:
 def check(args, cfg: dict) -> None:
     merged_dir = Path(cfg["run_dir"]) / "merged"
     if args.merged and not (merged_dir / "config.json").exists():
-        raise run.RunError(f"no merged model at {merged_dir}: train with --merge, or drop --merged")
+        raise errors.RunError(f"no merged model at {merged_dir}: train with --merge, or drop --merged")
 
 
 def finetuned(base, cfg: dict, args, device):

@@ -23,7 +23,21 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ftkit import comm, data, metrics, models, run
+from ftkit import (
+    batching,
+    checkpoint,
+    cli,
+    comm,
+    compilation,
+    evaluation,
+    lora,
+    metrics,
+    models,
+    optim,
+    prepare,
+    ranks,
+    rundir,
+)
 from ftkit.profiling import StepProfiler
 
 COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features (heads, MLP columns) split
@@ -37,7 +51,7 @@ EAGER_BECAUSE = (
 
 
 def parse_args():
-    p = run.common_parser(__doc__.splitlines()[0], experiment="tp-sp-ft")
+    p = cli.common_parser(__doc__.splitlines()[0], experiment="tp-sp-ft")
     g = p.add_argument_group("tensor parallel")
     g.add_argument(
         "--no-sequence-parallel",
@@ -46,8 +60,8 @@ def parse_args():
         help="plain Megatron TP: the activations between blocks replicated on every rank, f/g all-reduces",
     )
     g.add_argument("--merge", action="store_true", help="also write the base with the LoRA merged in (merged/)")
-    run.add_dump_flags(g)  # --dump-grads, --dump-logits: for the tests' one-device comparison
-    return run.resolve(p.parse_args())
+    cli.add_dump_flags(g)  # --dump-grads, --dump-logits: for the tests' one-device comparison
+    return cli.resolve(p.parse_args())
 
 
 # ---- the collectives. The flat *_tensor collectives concatenate / split along dim 0, so the sequence dim (1 of
@@ -263,12 +277,12 @@ def sync_replicated_grads(params: list[torch.nn.Parameter], group) -> None:
 def full_lora(model, group, grads: bool = False) -> dict[str, torch.Tensor]:
     """The whole adapter (or its gradient) under PEFT's names for the unsharded model: the sharded tensors are
     all-gathered and concatenated along the dim they were split on (B's rows of a column layer, A's columns of a
-    row layer; `run.gather_split`). Every rank takes part; the result is the same on every rank."""
+    row layer; `ranks.gather_split`). Every rank takes part; the result is the same on every rank."""
     out = {}
     for name, m in parallel_linears(model):
         for which in ("A", "B"):
             p = getattr(m, f"lora_{which}")
-            t = run.gather_split((p.grad if grads else p).detach(), m.split[which], group)
+            t = ranks.gather_split((p.grad if grads else p).detach(), m.split[which], group)
             out[f"{name}.lora_{which}.weight"] = t.cpu().contiguous()
     return out
 
@@ -276,27 +290,29 @@ def full_lora(model, group, grads: bool = False) -> dict[str, torch.Tensor]:
 def main() -> None:
     args = parse_args()
     # ---- process group: one process per GPU; all of them form one tensor-parallel group, whose degree must deal
-    # out whole heads (refused from the config before the data, the group or any weight: `run.start_ranks`).
-    device, splits = run.start_ranks(args, tp=int(os.environ["WORLD_SIZE"]))
+    # out whole heads (refused from the config before the data, the group or any weight: `prepare.start_ranks`).
+    device, splits = prepare.start_ranks(args, tp=int(os.environ["WORLD_SIZE"]))
     rank, tp = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     # TP does not split the batch: data-parallel degree 1, every rank runs every micro-batch.
-    accum = data.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
-    dtype = run.torch_dtype(args.dtype)
-    run_dir, resume_from = run.on_rank0(run.resolve_run_dir, args)
+    accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
+    dtype = cli.torch_dtype(args.dtype)
+    run_dir, resume_from = ranks.on_rank0(rundir.resolve, args)
 
     # ---- data: every rank builds the same global batches and runs all of them (rank 0 of a world of 1).
-    tokenizer, train_set, val_set, train_stats = run.encode_data(args, splits)
-    batches = run.global_batches(args, train_set)
-    eval_batches = run.eval_micro_batches(val_set, args.eval_examples, args.micro_batch_size)
-    eval_batches = [data.pad_to_multiple(mb, tp) for mb in eval_batches]  # as every training micro-batch, below
+    tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
+    batches = batching.global_batches(args, train_set)
+    eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.micro_batch_size)
+    eval_batches = [batching.pad_to_multiple(mb, tp) for mb in eval_batches]  # as every training micro-batch, below
 
     # ---- model: the whole bf16 base and the PEFT LoRA are built on every rank (the same seed, the same init),
     # then each rank keeps its slices. A real-size run would load only its shard; here clarity wins. Checkpointing
     # is non-reentrant: backward recomputes each layer, and with it the layer's forward collectives.
-    model = run.load_lora_model(args, dtype, device, len(tokenizer))
-    run.seed_dropout(args.seed, stream=0)  # every rank holds the same tokens: the same masks on each
-    compiled = models.compile_layers(model, args.compile, eager_because=EAGER_BECAUSE)  # --compile: eager, said why
+    model = prepare.load_lora_model(args, dtype, device, len(tokenizer))
+    checkpoint.seed_dropout(args.seed, stream=0)  # every rank holds the same tokens: the same masks on each
+    compiled = compilation.compile_layers(
+        model, args.compile, eager_because=EAGER_BECAUSE
+    )  # --compile: eager, said why
     config = model.config
     token_bytes = config.hidden_size * dtype.itemsize  # a token's activation between blocks, for the comm theory
     n_lora = models.parameter_counts(model)["trainable"]  # the whole adapter, for the FLOP count
@@ -305,16 +321,16 @@ def main() -> None:
     parallelize(model, tp, rank, group, args.sequence_parallel)
     metrics.release_cached_memory(device)  # the whole model this rank built, but its slices, back to the driver
     counts = models.parameter_counts(model)
-    run.print0(f"parameters on this rank: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
+    ranks.print0(f"parameters on this rank: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
     replicated = replicated_lora(model)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer, scheduler = run.adamw_cosine(trainable, args)
+    optimizer, scheduler = optim.adamw_cosine(trainable, args)
     # ---- resume: each rank reads back its own slices, their optimizer state and its RNG (rank<r>.pt)
-    lora = {name: p for name, p in model.named_parameters() if p.requires_grad}
-    start_step = run.load_rank_checkpoint(resume_from, lora, optimizer, scheduler)  # 0 without --resume
+    adapter = {name: p for name, p in model.named_parameters() if p.requires_grad}
+    start_step = checkpoint.load_per_rank(resume_from, adapter, optimizer, scheduler)  # 0 without --resume
 
-    log = run.start_log(
+    log = rundir.start_log(
         args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, n_lora, tensor_parallel=tp
     )
     recorder = comm.CommRecorder(device)
@@ -337,21 +353,21 @@ def main() -> None:
                     for mb in batches.micro_batches(step, args.micro_batch_size):
                         # Sequence parallelism splits the sequence into equal parts: right-padded to a multiple of
                         # the TP degree (masked out of attention and of the loss, so the step is unchanged).
-                        mb = data.to_device(data.pad_to_multiple(mb, tp), device)
+                        mb = batching.to_device(batching.pad_to_multiple(mb, tp), device)
                         local_seq = mb["input_ids"].shape[1] // (tp if args.sequence_parallel else 1)
                         with saved.first_forward(tokens=mb["input_ids"].shape[0] * local_seq):
-                            logits = models.answer_logits(model, mb)  # the lm_head on the answer positions only
-                        loss = data.token_loss_sum(logits, mb["targets"]) / n_target
+                            logits = lora.answer_logits(model, mb)  # the lm_head on the answer positions only
+                        loss = batching.token_loss_sum(logits, mb["targets"]) / n_target
                         del logits  # freed by backward, not kept alive into the next forward
                         loss.backward()  # the same loss on every rank: no scaling by the world size
                         loss_sum += loss.detach()
                     sync_replicated_grads(replicated, group)
                 if args.dump_grads and step == 2:
-                    run.dump_grads(full_lora(model, group, grads=True), run_dir, rank)
+                    rundir.dump_grads(full_lora(model, group, grads=True), run_dir, rank)
                 # The global norm: the sharded tensors' squares summed over ranks, the replicated ones counted once.
                 # Its one scalar all-reduce is outside the accounting, like the metrics' own.
-                grad_norm = run.clip_grads_over_ranks(trainable, args.max_grad_norm, group, replicated)
-                lr = run.optimizer_step(optimizer, scheduler)  # AdamW on this rank's slices; the rate it ran at
+                grad_norm = optim.clip_grads_over_ranks(trainable, args.max_grad_norm, group, replicated)
+                lr = optim.optimizer_step(optimizer, scheduler)  # AdamW on this rank's slices; the rate it ran at
             # The step's one host sync: every device scalar the metrics need, copied together.
             loss_value, grad_norm = metrics.host_values(loss_sum, grad_norm)
             row = log.row(
@@ -367,11 +383,11 @@ def main() -> None:
                 **batches.layout(step, args.micro_batch_size, multiple=tp),  # micro-steps, share of positions padded
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
-                sums = run.eval_loss_sums(model, eval_batches, device)  # the same on every rank
+                sums = evaluation.loss_sums(model, eval_batches, device)  # the same on every rank
                 row["eval_loss"] = (sums[0] / sums[1]).item()
             log.log(row)
             if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
-                run.save_rank_checkpoint(run_dir, step + 1, lora, optimizer, scheduler, args)
+                checkpoint.save_per_rank(run_dir, step + 1, adapter, optimizer, scheduler, args)
             profiler.step(step + 1)
     log.close()
 
@@ -379,18 +395,18 @@ def main() -> None:
     finished = last_step == args.max_steps
     adapter = full_lora(model, group) if finished else None
     if args.dump_logits and finished:
-        run.dump_logits(model, eval_batches[0], device, run_dir / "logits.pt", rank)
+        rundir.dump_logits(model, eval_batches[0], device, run_dir / "logits.pt", rank)
     if rank != 0:
         return
     if finished:
-        run.save_adapter(run_dir / "adapter", adapter, model.peft_config["default"])
+        checkpoint.save_adapter(run_dir / "adapter", adapter, model.peft_config["default"])
     if args.merge and finished:
-        models.merge_adapter(args.model, args.seed, run_dir / "adapter", run_dir / "merged", len(tokenizer), dtype)
+        lora.merge_adapter(args.model, args.seed, run_dir / "adapter", run_dir / "merged", len(tokenizer), dtype)
     summary = log.run_summary(
         last_step,
         predicted=metrics.predicted_memory(config, args, "tp-sp" if args.sequence_parallel else "tp", world_size=tp),
         note=metrics.memory_note(device),
-        compile=models.compile_report(compiled),
+        compile=compilation.compile_report(compiled),
         sequence_parallel=args.sequence_parallel,
         replicated_lora_grad_bytes=comm.nbytes(replicated),
         theory_comm_by_kind_per_step=(
@@ -404,8 +420,8 @@ def main() -> None:
         # Layer 1 on rank 0, first micro-batch: `tokens` is what this rank's norms and residual stream hold.
         activations_measured=saved.measured,
     )
-    run.finish(args, run_dir, summary, finished)
+    rundir.finish(args, run_dir, summary, finished)
 
 
 if __name__ == "__main__":
-    run.launch(main)
+    ranks.launch(main)

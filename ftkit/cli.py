@@ -1,0 +1,298 @@
+"""The common command line every train.py starts from, and the two configurations its defaults come from: the
+reference run (`REAL`, Qwen3-4B on GPUs) and the CPU walkthrough (`SMOKE`, --smoke). `resolve` fills them in and
+checks every flag before anything expensive; --resume takes the run's own flags (`rundir.take_run_flags`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from ftkit import ranks, rundir
+from ftkit.data import SHIPPED
+from ftkit.errors import RunError
+from ftkit.profiling import parse_profile_steps
+
+# The AMI meetings the package ships, offline, for the real runs and the walkthrough alike.
+DEFAULT_DATA = SHIPPED
+
+
+# Hub datasets read from a revision other than their main branch: AMIsum's main branch is a loading script,
+# which `datasets` no longer runs, so it is read from the hub's parquet conversion of it.
+HUB_REVISIONS = {"TalTechNLP/AMIsum": "refs/convert/parquet"}
+
+
+class _Unset:
+    """Stands in for every flag while parsing the command line a second time: what is still this was not given."""
+
+
+class FlagParser(argparse.ArgumentParser):
+    """Records which flags the command line gave (`args.explicit_flags`), so that --resume can take every other
+    one from the run's config.json and tell a flag given again apart from a default."""
+
+    def parse_args(self, args=None, namespace=None):
+        parsed = super().parse_args(args, namespace)
+        probe = argparse.Namespace(**{a.dest: _Unset for a in self._actions if a.dest != "help"})
+        given = vars(super().parse_args(args, probe))
+        parsed.explicit_flags = sorted(k for k, v in given.items() if v is not _Unset and k != "experiment")
+        return parsed
+
+
+def common_parser(description: str, experiment: str) -> argparse.ArgumentParser:
+    p = FlagParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.set_defaults(experiment=experiment)
+    g = p.add_argument_group("common flags (every experiment)")
+    _add_model_data_and_run(g)
+    _add_training(g)
+    _add_watching_and_saving(g)
+    return p
+
+
+def _add_model_data_and_run(g: argparse._ArgumentGroup) -> None:
+    """What is trained, on what, and where the run lives (or which run continues)."""
+    g.add_argument(
+        "--smoke",
+        action="store_true",
+        help="CPU walkthrough: tiny random Qwen3, fp32, gloo; defaults below marked [smoke] apply",
+    )
+    g.add_argument(
+        "--model",
+        default=None,
+        help="Qwen/Qwen3-4B, a local path, 'tiny' or 'qwen3-4b-shape' (random init, exact 4B config) "
+        "[default: Qwen/Qwen3-4B; smoke: tiny]",
+    )
+    g.add_argument(
+        "--data",
+        default=None,
+        help=f"'{SHIPPED}' (QMSum's AMI meetings, shipped in the package), a QMSum-format folder or a hub dataset "
+        f"id (owner/name[:config]) [default: {DEFAULT_DATA}]",
+    )
+    g.add_argument(
+        "--data-revision",
+        default=None,
+        help="hub revision [default: the main branch; "
+        + ", ".join(f"{k}: {v}" for k, v in HUB_REVISIONS.items())
+        + "]",
+    )
+    g.add_argument(
+        "--output-dir",
+        type=Path,
+        default=None,
+        help="run directory [default: a new runs/<experiment>[-smoke]/<time>/]",
+    )
+    g.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        help="continue a run: a run directory or checkpoint; bare --resume takes this experiment's latest run",
+    )
+
+
+def _add_training(g: argparse._ArgumentGroup) -> None:
+    """The run itself: its length, its batches, the optimizer, the adapter and the compute."""
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--max-steps", type=int, default=None, help="optimizer steps [100; smoke: 30]")
+    g.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="exit after this step as if interrupted (schedule still spans --max-steps); "
+        "for time-boxed jobs, continue with --resume",
+    )
+    g.add_argument("--max-length", type=int, default=None, help="tokens per sequence [2048; smoke: 512]")
+    g.add_argument(
+        "--batch-size",
+        type=int,
+        default=None,
+        help="GLOBAL batch: sequences per optimizer step, whatever the number of GPUs [16; smoke: 8]",
+    )
+    g.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="rows per rank per forward: packed rows of up to --max-length positions (several sequences each), or with "
+        "--no-packing one padded sequence per row, accumulation = batch / (micro x data-parallel ranks) [2; smoke: 2]",
+    )
+    g.add_argument(
+        "--no-packing",
+        dest="packing",
+        action="store_false",
+        help="one sequence per row, right-padded to the micro-batch's longest (the layout before packing, to compare)",
+    )
+    g.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="compile each decoder layer (torch.compile, regional: one graph for all layers; the first step pays "
+        "for it), where the technique allows; --no-compile: eager [on CUDA: on; smoke: off]",
+    )
+    g.add_argument("--lr", type=float, default=None, help="peak learning rate [2e-4; smoke: 2e-3]")
+    g.add_argument("--warmup-steps", type=int, default=None, help="linear warmup, then cosine [10; smoke: 3]")
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    g.add_argument("--lora-rank", type=int, default=16)
+    g.add_argument("--lora-alpha", type=float, default=32.0)
+    g.add_argument(
+        "--lora-dropout",
+        type=float,
+        default=None,
+        help="[0.05; smoke: 0.0, so runs of different techniques are comparable step by step]",
+    )
+    g.add_argument(
+        "--dtype",
+        choices=["bf16", "fp32"],
+        default=None,
+        help="compute dtype [bf16; smoke: fp32, for exact parity between techniques]",
+    )
+    g.add_argument(
+        "--no-grad-checkpointing",
+        dest="grad_checkpointing",
+        action="store_false",
+        help="keep all activations instead of recomputing each layer in backward",
+    )
+
+
+def _add_watching_and_saving(g: argparse._ArgumentGroup) -> None:
+    """How often the run evaluates, checkpoints and profiles, and how it reports its steps."""
+    g.add_argument("--eval-every", type=int, default=None, help="eval loss on held-out meetings [25; smoke: 10]")
+    g.add_argument("--eval-examples", type=int, default=None, help="held-out examples per eval [64; smoke: 16]")
+    g.add_argument("--save-every", type=int, default=None, help="checkpoint every N steps [50; smoke: 10]")
+    g.add_argument("--keep-checkpoints", type=int, default=2, help="newest checkpoints kept")
+    g.add_argument(
+        "--profile-steps",
+        type=parse_profile_steps,
+        default=None,
+        metavar="A:B",
+        help="write a torch.profiler trace of optimizer steps A..B (and a CUDA memory snapshot on GPUs) into "
+        "<run>/profile/, for Perfetto / TensorBoard / pytorch.org/memory_viz",
+    )
+    g.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="print one JSON line per step instead of a progress bar",
+    )
+
+
+def add_dump_flags(group: argparse._ArgumentGroup) -> None:
+    """--dump-grads and --dump-logits, for the tensor-parallel experiments: what a test compares with the same
+    step on one device."""
+    group.add_argument(
+        "--dump-grads",
+        action="store_true",
+        help="write step 3's LoRA gradients, reassembled to full shapes, to grads-step3.safetensors (the column "
+        "layers' A gradients are zero while B is: at init, and after step 1, which warmup runs at lr 0)",
+    )
+    group.add_argument(
+        "--dump-logits",
+        action="store_true",
+        help="after training, write the logits of the first eval micro-batch to logits.pt (for a one-device check)",
+    )
+
+
+SMOKE = dict(
+    model="tiny",
+    data=DEFAULT_DATA,
+    max_steps=30,
+    max_length=512,
+    batch_size=8,
+    micro_batch_size=2,
+    lr=2e-3,
+    warmup_steps=3,
+    lora_dropout=0.0,
+    dtype="fp32",
+    eval_every=10,
+    eval_examples=16,
+    save_every=10,
+)
+
+
+REAL = dict(
+    model="Qwen/Qwen3-4B",
+    data=DEFAULT_DATA,
+    max_steps=100,
+    max_length=2048,
+    batch_size=16,
+    micro_batch_size=2,
+    lr=2e-4,
+    warmup_steps=10,
+    lora_dropout=0.05,
+    dtype="bf16",
+    eval_every=25,
+    eval_examples=64,
+    save_every=50,
+)
+
+
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Take a resumed run's flags from its config.json, fill the scale-dependent defaults (smoke or real) and check
+    the flags, all before anything expensive."""
+    rundir.follow_restart(args)
+    if args.resume:
+        rundir.take_run_flags(args)
+    for key, value in (SMOKE if args.smoke else REAL).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if args.data_revision is None:
+        args.data_revision = HUB_REVISIONS.get(args.data.partition(":")[0])
+    if args.compile is None:  # compiled layers where the step's speed matters; the CPU walkthrough stays eager
+        args.compile = not args.smoke
+    for key in (
+        "max_steps",
+        "max_length",
+        "batch_size",
+        "micro_batch_size",
+        "lora_rank",
+        "eval_every",
+        "save_every",
+        "eval_examples",
+    ):
+        if getattr(args, key) <= 0:
+            raise RunError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    if args.stop_after is not None and not 0 < args.stop_after <= args.max_steps:
+        raise RunError(f"--stop-after must be in 1..--max-steps ({args.max_steps}), got {args.stop_after}")
+    # Written so that NaN fails every check.
+    ranges = {
+        "lr": (args.lr > 0, "a positive learning rate, e.g. 2e-4"),
+        "warmup_steps": (args.warmup_steps >= 0, "0 or more"),
+        "weight_decay": (args.weight_decay >= 0, "0 or more"),
+        "max_grad_norm": (args.max_grad_norm >= 0, "0 (no clipping) or a positive norm"),
+        "lora_alpha": (args.lora_alpha > 0, "positive (the adapter's scale is alpha / rank)"),
+        "lora_dropout": (0 <= args.lora_dropout < 1, "a probability in [0, 1)"),
+        "keep_checkpoints": (args.keep_checkpoints >= 1, "1 or more (the newest checkpoint is what --resume needs)"),
+    }
+    for key, (ok, expected) in ranges.items():
+        if not ok:
+            raise RunError(f"--{key.replace('_', '-')} must be {expected}, got {getattr(args, key)}")
+    return args
+
+
+def load_experiment(name: str):
+    """experiments/<name>/train.py as a module, so that another script (or ftkit.realscale) runs its own functions:
+    one TP plan for tp-ft and fsdp-tp-ft, not a copy. Needs a repository checkout."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "experiments" / name / "train.py"
+    if not path.exists():
+        raise RunError(f"{path} not found: the experiments are scripts of a repository checkout, not of the package")
+    module_name = f"{name.replace('-', '_')}_train"
+    if module_name not in sys.modules:  # loaded once per process, as an import would be
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[module_name] = module
+    return sys.modules[module_name]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def padded_only(args: argparse.Namespace, why: str) -> None:
+    """A technique that cannot pack yet: it runs the padded layout, says why once, and records it (`padded_why`)."""
+    if args.packing:
+        args.packing, args.padded_why = False, why
+        ranks.print0(f"note: {why}")

@@ -1,0 +1,122 @@
+"""The adapter: PEFT's LoRA on Qwen3's seven projections, the frozen base around it (activation checkpointing), the
+dtype the adapters compute in, the logits at the answer positions, and a merged model for inference."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from pathlib import Path
+
+import torch
+
+from ftkit import models
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def freeze_base(model, grad_checkpointing: bool, reentrant: bool = False):
+    """Freeze every base weight and switch on activation checkpointing, for LoRA on a bf16 or a 4-bit base.
+
+    In place of peft's prepare_model_for_kbit_training, which casts every non-4-bit weight to fp32: the tied
+    embedding / lm_head (151936 x 2560) among them, so that the residual stream, the logits and the step's
+    largest matmul would all run in fp32. Here they stay in the compute dtype; Qwen3's RMSNorm already takes its
+    variance in fp32, and the LoRA adapters' weights are fp32 (peft's default; see `adapters_compute_in`)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if grad_checkpointing:
+        checkpoint_activations(model, reentrant)
+        if reentrant:  # the reentrant kind backpropagates only into a checkpoint whose input requires grad
+            model.enable_input_require_grads()
+    return model
+
+
+def checkpoint_activations(model, reentrant: bool = False) -> None:
+    """transformers' activation checkpointing of every decoder layer (torch.utils.checkpoint, non-reentrant unless
+    asked). transformers 5.2x calls it activation_checkpointing_enable, and its old name gradient_checkpointing_enable
+    a deprecated alias that warns; the transformers that Python 3.10 resolves may have the old name only."""
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def lora_config(rank: int, alpha: float, dropout: float):
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=list(LORA_TARGETS),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+
+
+def apply_lora(model, rank: int, alpha: float, dropout: float, seed: int):
+    """PEFT LoRA on all seven projections; the adapter's random init (lora_A) is seeded so that every
+    technique starts from the same adapter. The scripts save it with save_embedding_layers=False: the embedding is
+    neither targeted nor resized, and PEFT's default ("auto") looks for the base model's config.json at every save,
+    on the hub unless --model is a local folder (a request for Qwen/Qwen3-4B, a warning for 'tiny')."""
+    from peft import get_peft_model
+
+    torch.manual_seed(seed + 1)
+    return get_peft_model(model, lora_config(rank, alpha, dropout))
+
+
+def adapters_compute_in(model, dtype: torch.dtype):
+    """Let the LoRA adapters compute in the activation dtype while their weights stay fp32, the optimizer's master
+    copy (fp32 gradients). Call once after `apply_lora`, and run every forward under `compute_autocast`.
+
+    PEFT's LoRA forward casts a projection's input to the adapters' dtype: on a bf16 base each adapter would make
+    an fp32 copy of a bf16 activation, apply dropout to it and run two fp32 matmuls off the tensor cores. With that
+    cast switched off, autocast casts the small adapter weights to bf16 instead (once per autocast region).
+    In fp32 nothing changes."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    if dtype != torch.float32:
+        for module in model.modules():
+            if isinstance(module, BaseTunerLayer):
+                module.cast_input_dtype_enabled = False
+    return model
+
+
+def compute_autocast(device: torch.device, dtype: torch.dtype):
+    """The context every training and eval forward runs in, for `adapters_compute_in`: autocast to the compute
+    dtype, which here only changes the LoRA matmuls (the base already is in `dtype`; Qwen3's RMSNorm and RoPE
+    compute in fp32 themselves, the loss takes fp32 logits). Non-reentrant activation checkpointing restores it
+    on recompute. In fp32, no autocast at all."""
+    if dtype == torch.float32:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def answer_logits(model, mb: dict) -> torch.Tensor:
+    """The logits the loss needs: the forward of a micro-batch (`data.collate`'s or `data.collate_packed`'s) with
+    the lm_head run on the answer positions only (`logits_to_keep`), so the [micro, seq, vocab] logits of whole
+    sequences are never made. Only the logits are kept of the model's output: once the loss is taken, backward
+    frees them. No attention mask: padded rows are right-padded and attention is causal, so no real token sees a
+    pad (a mask would force SDPA's masked kernel, repeat K and V to every head and cost host syncs); packed rows
+    carry `position_ids` that restart at each example, from which transformers builds the block-diagonal mask,
+    provided there is no KV cache (`use_cache=False`: with one, every example would attend to the ones before)."""
+    out = model(
+        input_ids=mb["input_ids"],
+        position_ids=mb.get("position_ids"),
+        logits_to_keep=mb["logit_positions"],
+        use_cache=False,
+    )
+    return out.logits
+
+
+def merge_adapter(model: str, seed: int, adapter: Path, out: Path, vocab_size: int, dtype: torch.dtype) -> None:
+    """Base + LoRA in one ordinary transformers checkpoint (`out`), built on the CPU with PEFT's own merge, so it
+    is exactly what `PeftModel.merge_and_unload` would give any user; `out/ftkit.json` names the base."""
+    from peft import PeftModel
+
+    base = models.load_model(
+        model, quant="none", dtype=dtype, device=torch.device("cpu"), seed=seed, vocab_size=vocab_size
+    )
+    merged = PeftModel.from_pretrained(base, adapter).merge_and_unload()
+    merged.save_pretrained(out)
+    (out / "ftkit.json").write_text(json.dumps({"model": model, "seed": seed}))
