@@ -10,7 +10,8 @@ from collections.abc import Sequence
 
 import torch
 
-from ftkit.data import IGNORE_INDEX, DataError, Encoded
+from ftkit.data import IGNORE_INDEX, Encoded
+from ftkit.errors import DataError
 
 
 def global_batches(args: argparse.Namespace, train_set: list):

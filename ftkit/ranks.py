@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from ftkit.errors import CheckpointError, DataError, RunComplete, RunError
+from ftkit.errors import CheckpointError, DataError, ModelError, RunComplete, RunError
 
 
 def device_for(args: argparse.Namespace, local_rank: int = 0) -> torch.device:
@@ -80,8 +80,6 @@ def launch(main) -> None:
     destructors: with gloo a launch can otherwise abort at exit ("terminate called without an active exception")
     after the work is done (devlogs/ddp-ft.md, "The exit abort")."""
     import torch.distributed as dist
-
-    from ftkit.models import ModelError
 
     code = 0
     try:

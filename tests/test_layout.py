@@ -85,3 +85,27 @@ def test_modules_and_functions_read_in_one_sitting(name):
         and node.end_lineno - node.lineno + 1 > MAX_FUNCTION_LINES
     ]
     assert not long, f"{path.relative_to(ROOT)}: {', '.join(long)}"
+
+
+def documented_levels() -> dict[str, int]:
+    """ftkit/README.md's import order ("a -> b, c -> ..."): each module's level, from the bottom up."""
+    text = (PACKAGE / "README.md").read_text().split("## Modules", 1)[1].split("\n\n", 2)[1]
+    order = " ".join(text.split("\n")[2:])
+    return {name.strip(" ."): level for level, part in enumerate(order.split("->")) for name in part.split(",")}
+
+
+def test_every_import_goes_down_the_documented_order():
+    found = modules()
+    levels = documented_levels()
+    top = {name.split(".")[1] for name in found if name != "ftkit"}
+    assert set(levels) == top, f"ftkit/README.md's order misses or invents modules: {set(levels) ^ top}"
+    upward = [
+        f"{name} -> {target}"
+        for name, path in found.items()
+        if name != "ftkit"
+        for target in ftkit_imports(path, set(found))
+        if target != "ftkit"
+        and target.split(".")[1] != name.split(".")[1]
+        and levels[target.split(".")[1]] >= levels[name.split(".")[1]]
+    ]
+    assert not upward, f"imports that do not go down ftkit/README.md's order: {upward}"

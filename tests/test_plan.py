@@ -171,8 +171,8 @@ def test_gpus_must_split_evenly_over_nodes(capsys):
     assert "--gpus 3 must be a positive multiple of --nodes 2" in capsys.readouterr().err
 
 
-def test_the_readme_shows_what_the_planner_prints(capsys):
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+def test_ftkits_readme_shows_what_the_planner_prints(capsys):
+    readme = (Path(__file__).resolve().parents[1] / "ftkit" / "README.md").read_text()
     command = "uv run python -m ftkit.plan --model Qwen/Qwen3-4B --gpus 2 --gpu rtx4090 --link pcie4"
     shown = readme.split(f"```bash\n{command}\n```\n\n```\n", 1)[1].split("```", 1)[0]
     plan.main(command.split()[5:])

@@ -1,6 +1,7 @@
 """The repository stands on its own: nothing in it points at the development folder that sat beside the
 checkout on the project's machines, which a fresh clone does not have; the README's commands are ones the
-scripts accept; and its CPU walkthrough commands run as written."""
+scripts accept; its CPU walkthrough commands run as written; the README stays a front page; and the links of the
+README and the reference pages (ftkit/README.md, assets/README.md) lead to files and headings that exist."""
 
 from __future__ import annotations
 
@@ -193,8 +194,8 @@ def test_tp_sp_walkthrough_sends_what_its_summary_says_with_checkpointing(walkth
 
 
 def test_the_reference_configuration_is_the_scripts_defaults():
-    """The README's reference configuration table, against the defaults the scripts resolve (ftkit/cli.py REAL and
-    the common parser), so the configuration every post refers to cannot drift from the code."""
+    """The README's reference configuration table, against the defaults the scripts resolve (cli.REAL and the
+    common parser), so the configuration every post refers to cannot drift from the code."""
     from ftkit import cli
 
     text = (ROOT / "README.md").read_text().split("## The reference configuration", 1)[1].split("\n## ", 1)[0]
@@ -213,3 +214,93 @@ def test_the_reference_configuration_is_the_scripts_defaults():
     assert (float(lr), int(warmup)) == (real["lr"], real["warmup_steps"])
     assert f"clipped at {defaults['max_grad_norm']}, {real['max_steps']} steps" in table["optimizer"]
     assert table["seed"] == str(defaults["seed"])
+
+
+# ------------------------------------------------------------------------------------ the front page and its links
+# README.md is the front page; the reference material lives on the pages of what it documents.
+PAGES = ("README.md", "ftkit/README.md", "assets/README.md")
+FRONT_PAGE_WORDS = 2000
+
+
+def test_the_readme_is_a_front_page():
+    """At most 2,000 words, as `wc -w README.md` counts them: the reference material goes to ftkit/README.md and
+    assets/README.md."""
+    words = len((ROOT / "README.md").read_text().split())
+    assert words <= FRONT_PAGE_WORDS, f"README.md has {words} words; move reference material to the pages it documents"
+
+
+def prose(text: str) -> str:
+    """The text outside fenced code blocks, with inline code spans blanked (a link or a heading inside code is
+    not one)."""
+    return re.sub(r"`[^`\n]*`", "``", re.sub(r"^```.*?^```[^\n]*$", "", text, flags=re.M | re.S))
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: its text (code spans' contents kept, links as their text), lower case,
+    punctuation but hyphens and underscores dropped, each space a hyphen."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").strip().lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path) -> set[str]:
+    """Every heading anchor of a markdown file, numbered as GitHub numbers repeats (slug, slug-1, ...)."""
+    seen: dict[str, int] = {}
+    found = set()
+    text = re.sub(r"^```.*?^```[^\n]*$", "", path.read_text(), flags=re.M | re.S)
+    for heading in re.findall(r"^#{1,6} +(.+?) *#* *$", text, re.M):
+        slug = github_slug(heading)
+        found.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def broken_links(page: str, only_to: tuple[str, ...] | None = None) -> list[str]:
+    """The relative links of one markdown file that lead nowhere: a file or folder that does not exist, or a
+    #anchor that is no heading of the markdown file it names. `only_to`: check only links into these files."""
+    source = ROOT / page
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)(?: \"[^\"]*\")?\)", prose(source.read_text())):
+        if re.match(r"[a-z][\w+.-]*:", target):  # https:, mailto: ...
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (source.parent / path).resolve() if path else source
+        if only_to is not None and resolved not in {(ROOT / p).resolve() for p in only_to}:
+            continue
+        if not resolved.exists():
+            broken.append(f"{page}: {target}: no such file")
+        elif anchor and (resolved.suffix != ".md" or anchor not in anchors(resolved)):
+            broken.append(f"{page}: {target}: no heading #{anchor} in {resolved.relative_to(ROOT)}")
+    return broken
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_every_relative_link_resolves(page):
+    broken = broken_links(page)
+    assert not broken, "\n".join(broken)
+
+
+def test_the_posts_and_devlogs_links_to_the_readmes_resolve():
+    """Posts and devlogs link to sections of the README and the reference pages; a section that moves must take
+    its links with it."""
+    pages = sorted(str(p.relative_to(ROOT)) for d in ("blogs", "devlogs") for p in (ROOT / d).glob("*.md"))
+    assert pages
+    broken = [b for page in pages for b in broken_links(page, only_to=PAGES)]
+    assert not broken, "\n".join(broken)
+
+
+def test_the_link_check_finds_a_broken_link_and_a_missing_heading(tmp_path, monkeypatch):
+    """The check above can fail: a page with a link to a missing file and one to a missing heading."""
+    import test_readme
+
+    (tmp_path / "doc").mkdir()
+    (tmp_path / "doc" / "other.md").write_text("# Which technique? The planner\n\n## Runs\n\n## Runs\n")
+    (tmp_path / "doc" / "page.md").write_text(
+        "[ok](other.md#which-technique-the-planner) [ok](other.md#runs-1) [ok](#a-heading)\n"
+        "[gone](missing.md) [no heading](other.md#runs-2) [web](https://example.com/x.md)\n"
+        "`[in code](missing-too.md)`\n\n```\n[in a block](missing-three.md)\n# not a heading\n```\n\n# A heading\n"
+    )
+    monkeypatch.setattr(test_readme, "ROOT", tmp_path)
+    assert test_readme.broken_links("doc/page.md") == [
+        "doc/page.md: missing.md: no such file",
+        "doc/page.md: other.md#runs-2: no heading #runs-2 in doc/other.md",
+    ]
