@@ -20,15 +20,16 @@ import sys
 
 import torch
 
-from ftkit import batching, cli, data, lora, metrics, models, realscale
+from ftkit import batching, cli, data, lora, metrics, models
+from ftkit.realscale import builders, command, configuration, step
 
 GIB = 2**30
 
 
 def micro_batch(width: int, answer: int, vocab: int, padded: bool, micro_batch_size: int) -> dict:
-    """`realscale.synthetic_micro_batch`'s full-length rows; with `padded`, the last row is half as long (right-
+    """`realscale.step.synthetic_micro_batch`'s full-length rows; with `padded`, the last row is half as long (right-
     padded by `batching.collate`, as the scripts' batches are)."""
-    mb = realscale.synthetic_micro_batch(micro_batch_size, width, answer, vocab)
+    mb = step.synthetic_micro_batch(micro_batch_size, width, answer, vocab)
     if not padded:
         return mb
     items = [
@@ -42,10 +43,10 @@ def micro_batch(width: int, answer: int, vocab: int, padded: bool, micro_batch_s
 
 def measure(layers: int, padded: bool, opts: argparse.Namespace) -> dict:
     script = cli.load_experiment("single-gpu-ft")
-    args = realscale.script_args(script, realscale.parse_args(["--technique", "single", "--quant", "none"]))
+    args = configuration.script_args(script, command.parse_args(["--technique", "single", "--quant", "none"]))
     device, dtype = torch.device("cuda"), cli.torch_dtype(args.dtype)
-    model, _ = realscale.build("single", script, args, 1, device, layers)
-    realscale.materialise(model, device)
+    model, _ = builders.build("single", script, args, 1, device, layers)
+    builders.materialise(model, device)
     with torch.no_grad():  # values do not change what is allocated; finite ones keep the step well defined
         for p in model.parameters():
             p.normal_(0, 0.02)

@@ -1,6 +1,6 @@
 """The host's work per micro-batch of single-gpu-ft's training step: aten ops dispatched (eager) or kernels launched by
-the compiled decoder layers, counted on this CPU; the planner's host term (ftkit/plan.py) is these counts times a cost
-per op calibrated on the committed H100 profile.
+the compiled decoder layers, counted on this CPU; the planner's host term (ftkit/plan/hosts.py) is these counts times a
+cost per op calibrated on the committed H100 profile.
 
     uv run python assets/host_ops.py          # every configuration below; writes devlogs/runs/plan-host/host-ops.json
     uv run python assets/host_ops.py --check  # the committed file's counts against the H100 profiles' op counts
@@ -259,12 +259,13 @@ def check(result: dict) -> list[str]:
 
 
 def h100_setting(**kw):
-    from ftkit import hardware, plan
+    from ftkit import hardware
+    from ftkit.plan import settings
 
     gpu = hardware.gpu("h100-sxm")
     link = hardware.LINKS["nvlink4"]
-    return plan.Setting(
-        config=plan.model_config("Qwen/Qwen3-4B"),
+    return settings.Setting(
+        config=settings.model_config("Qwen/Qwen3-4B"),
         gpu=gpu,
         gpus=1,
         nodes=1,
@@ -289,7 +290,7 @@ def host_tables() -> str:
     count, the calibrated host), and its predictions for the layouts at the reference configuration on that host."""
     import statistics
 
-    from ftkit import plan
+    from ftkit.plan import hosts, layouts, settings, techniques, timing
 
     runs = ROOT / "devlogs" / "runs" / "single-gpu-ft"
     lines = [
@@ -300,13 +301,13 @@ def host_tables() -> str:
     for run, (source, role) in H100_RUNS.items():
         summary = json.loads((runs / run / "summary.json").read_text())
         c = summary["config"]
-        s = h100_setting(**plan.run_flags(c), layout="masked", steps=summary["steps_run"], ops_source=source)
-        steps = [plan.step_time(s, "single", {}, c["quant"], st) for st in plan.layout_steps(s, 1)][1:]
+        s = h100_setting(**settings.run_flags(c), layout="masked", steps=summary["steps_run"], ops_source=source)
+        steps = [timing.step_time(s, "single", {}, c["quant"], st) for st in layouts.layout_steps(s, 1)][1:]
         predicted = statistics.median(p["step_time_s"] for p in steps)
         measured = summary["median_step_time_s"]
         host, gpu = (statistics.median(p[k] for p in steps) for k in ("host_s", "compute_s"))
         lines.append(
-            f"| `{run}` | {source} ({SOURCES[source]}) | {plan.H100_OPS_PER_MICRO[source, c['quant']]:,} | "
+            f"| `{run}` | {source} ({SOURCES[source]}) | {hosts.H100_OPS_PER_MICRO[source, c['quant']]:,} | "
             f"{host:.2f} | {gpu:.2f} | {predicted:.2f} | {measured:.2f} | {predicted / measured:.2f} | {role} |"
         )
     lines += [
@@ -325,7 +326,7 @@ def host_tables() -> str:
         for quant in ("none", "nf4"):
             source = "h100-session2" if layout == "masked" else "tree"  # masked: the H100 runs' code
             s = h100_setting(layout=layout, compile=compiled, mfu=mfu, ops_source=source)
-            r = plan.evaluate(s, "single", {}, quant)
+            r = techniques.evaluate(s, "single", {}, quant)
             layers = ("compiled" if compiled else "eager") + (f", kernels at {mfu:.0%} (assumed)" if mfu else "")
             name = "masked (the H100 runs' code)" if layout == "masked" else layout
             lines.append(

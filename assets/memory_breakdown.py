@@ -13,11 +13,11 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
+from ftkit.activations import layer_activation_bytes  # noqa: E402
 from ftkit.memory import (
     GIB,
     QWEN3_4B,
     MemoryPrediction,
-    layer_activation_bytes,
     lora_params,
     predict,
     zero_bytes,

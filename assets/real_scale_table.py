@@ -20,6 +20,7 @@ WORLDS = (1, 2, 4, 8)
 def coverage(runs: list[dict]) -> None:
     """Technique x world size: each committed run's tracked / predicted, or why the command refuses that world."""
     from ftkit import realscale
+    from ftkit.realscale import command
 
     print("| technique | " + " | ".join(f"world {w}" for w in WORLDS) + " |")
     print("|---" * (len(WORLDS) + 1) + "|")
@@ -30,7 +31,7 @@ def coverage(runs: list[dict]) -> None:
             if found:
                 cells.append("; ".join(describe(r) for r in found))
             else:
-                why = realscale.refusal(["--technique", technique, "--world", str(world)])
+                why = command.refusal(["--technique", technique, "--world", str(world)])
                 cells.append(f"refused: {why}" if why else "not run yet")
         print(f"| {technique} | " + " | ".join(cells) + " |")
 

@@ -1,5 +1,5 @@
 """GPU and interconnect figures, from the vendors' datasheets: one table for the MFU peak (`ftkit/metrics.py`) and
-the planner (`ftkit/plan.py`). Datasheet peaks, not measurements: a step reaches a fraction of them, which the
+the planner (`ftkit/plan/`). Datasheet peaks, not measurements: a step reaches a fraction of them, which the
 planner states as an assumption.
 
 FLOP/s are dense bf16 tensor-core peaks (the datasheets' "with sparsity" figures halved). Link bandwidths are per

@@ -18,7 +18,8 @@ Everything here is arithmetic on the model shape; nothing is measured. The compo
 - optimizer: AdamW's two fp32 moments per trainable param, 8 B/param.
 - gathered: FSDP only, parameters all-gathered for compute on top of the resident shards (a 4-bit layer's as
   its packed bytes: the quantization constants are resident already).
-- activations: tensors saved for backward, derived op by op in `layer_activation_bytes`, plus the logits.
+- activations: tensors saved for backward, derived op by op in `layer_activation_bytes` (ftkit/activations.py),
+  plus the logits.
 
 `full_finetune=True` is the contrast case: every parameter trainable, mixed precision as in ZeRO
 (Rajbhandari et al. 2020, arXiv 1910.02054): bf16 weights and gradients plus fp32 master weights and two
@@ -45,23 +46,11 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ftkit.activations import FP32, ROW_PARALLEL, layer_saved_bytes
 from ftkit.lora import LORA_TARGETS
 
 GIB = 2**30
-FP32 = 4
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}
-# Row-parallel under Megatron TP (input dim sharded); the other five are column-parallel (output dim sharded).
-ROW_PARALLEL = ("o_proj", "down_proj")
-# The tensor each projection reads: q/k/v read the attention norm's output, o_proj the SDPA output, ...
-LINEAR_INPUT = {
-    "q_proj": "attn_norm_out",
-    "k_proj": "attn_norm_out",
-    "v_proj": "attn_norm_out",
-    "o_proj": "sdpa_out",
-    "gate_proj": "mlp_norm_out",
-    "up_proj": "mlp_norm_out",
-    "down_proj": "swiglu_out",
-}
 # NF4 with double quantization, QLoRA paper Sec. 3: 4 bits + 8/64 + 32/(64*256) bits of constants per weight.
 NF4_BYTES_PER_PARAM = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 NF4_PACKED_BYTES = 4 / 8  # of which the codes, two per byte: the parameter FSDP shards; the rest, its constants
@@ -179,101 +168,6 @@ def zero_bytes(psi: float, k: float = 12, n_d: int = 64, stage: int = 0) -> floa
     raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
 
 
-def layer_activation_bytes(
-    shape: ModelShape,
-    *,
-    act_bytes: int,
-    lora_targets: Sequence[str] = LORA_TARGETS,
-    lora_rank: int = 16,
-    lora_dropout: float = 0.0,
-    full_finetune: bool = False,
-    fp32_adapter_compute: bool = False,
-) -> tuple[float, float]:
-    """Bytes one decoder layer saves for backward, per token, as (hidden_part, sharded_part).
-
-    Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", arXiv
-    2205.05198, Sec. 4.1) count s*b*h*(34 + 5*a*s/h) bytes per GPT layer in 16-bit with 1-byte dropout
-    masks: 11sbh for attention + 5as^2b for its score/softmax/dropout matrices, 19sbh for the 4h GELU MLP,
-    4sbh for two LayerNorms. A Qwen3 layer trained with LoRA on a frozen base differs, op by op (per token;
-    h hidden, q = heads*head_dim, kv = kv_heads*head_dim, i intermediate, a = activation dtype bytes):
-
-    - RMSNorm computes in fp32: `x.float().pow(2)` and `x * rsqrt(...)` save the fp32 input (a copy when the
-      stream is bf16) and the fp32 1/rms: 4(h + 1) for each of the two norms, 4(q + heads) + 4(kv + kv_heads)
-      for q_norm/k_norm. Frozen norm weights need nothing else.
-    - SDPA with a fused kernel (flash / memory-efficient) saves q, k, v, the output and an fp32 logsumexp per
-      head, never the s x s matrix: the 5as/h term is gone. a(2q + 2kv) + 4*heads. (GQA stays GQA only
-      without a padding mask; with one, transformers repeats k, v to all heads first.)
-    - SwiGLU: silu saves gate; silu(gate) * up saves both factors: 3ai. No dropout in Qwen3.
-    - Frozen base linears save no input (only the weight-gradient needs it). LoRA's A does. The adapters compute
-      in the stream dtype (`lora.adapters_compute_in`: autocast, PEFT's fp32 input cast off), so without
-      dropout A saves the stream tensor the base reads, one tensor shared by the adapters that read it (q/k/v,
-      gate/up; o_proj's input is the SDPA output, saved already). LoRA dropout > 0 gives each adapter its own
-      dropout output (a bytes) plus a 1-byte mask. B saves A's output: a*r per adapter.
-    - full_finetune: every linear saves its input in the stream dtype (q/k/v share one, gate/up another,
-      o_proj's is the SDPA output) and each trainable norm weight saves its normalised input.
-
-    The hidden part (width h: the norms and the q/k/v/gate/up inputs) is replicated under tensor parallelism
-    without SP (Korthikanti's 10sbh); the rest is split across TP ranks by heads and intermediate columns.
-
-    fp32_adapter_compute: the adapters as PEFT computes them by default, before `lora.adapters_compute_in`
-    (kept for runs measured that way): PEFT casts each adapter's input to the fp32 adapter dtype, a private 4-byte
-    copy per adapter on a bf16 stream (one shared tensor on an fp32 stream), its dropout output fp32 too, and B
-    saves A's fp32 output, 4r per adapter.
-
-    Not per token, so not here: the bf16 copies autocast makes of a layer's fp32 adapter weights, which the
-    LoRA matmuls save too (`predict` adds them, a*r*(in + out) per adapter).
-
-    For Qwen3-4B with adapters on all seven projections, r = 16, no dropout, the sum is 150,024 B per token
-    per layer on a bf16 stream (58.6h, against GPT's 34h: the 3.8h-wide SwiGLU and the fp32 copies that
-    RMSNorm makes), 200,200 B with dropout 0.05, and 258,792 B on an fp32 stream. tests/test_memory.py checks
-    the derivation against the tensors autograd actually saves.
-    """
-    h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate
-    a = act_bytes
-    lora_a = FP32 if fp32_adapter_compute else a  # the dtype the adapters compute in
-    hidden_part = 2 * FP32 * (h + 1)  # input_layernorm, post_attention_layernorm
-    sharded = FP32 * (q + shape.heads + kv + shape.kv_heads)  # q_norm, k_norm
-    sharded += a * (2 * q + 2 * kv) + FP32 * shape.heads  # SDPA
-    sharded += 3 * a * i  # SwiGLU
-    if full_finetune:
-        hidden_part += 2 * a * h  # the normalised inputs of the two norm weights
-        sharded += a * (q + kv)  # and of q_norm / k_norm
-    else:
-        hidden_part += lora_a * lora_rank * len(lora_targets)  # A's outputs, saved by B
-
-    inputs: dict[str, tuple[float, bool]] = {}  # storage -> (bytes, replicated under TP)
-    for name in LORA_TARGETS if full_finetune else lora_targets:
-        n_in = shape.linears()[name][0]
-        if full_finetune or (lora_dropout == 0 and lora_a == a):
-            storage, nbytes = LINEAR_INPUT[name], a * n_in  # linears reading one tensor share it
-        elif lora_dropout == 0:
-            storage, nbytes = name, FP32 * n_in  # PEFT's own fp32 cast of a bf16 input, per adapter
-        else:
-            storage, nbytes = name, (lora_a + 1) * n_in  # the adapter's own dropout output + bool mask
-        inputs[storage] = (nbytes, name not in ROW_PARALLEL)
-    inputs.pop("sdpa_out", None)  # saved by SDPA already
-    hidden_part += sum(nbytes for nbytes, replicated in inputs.values() if replicated)
-    sharded += sum(nbytes for nbytes, replicated in inputs.values() if not replicated)
-    return hidden_part, sharded
-
-
-def layer_saved_bytes(
-    shape: ModelShape, tokens: int, *, tp: int = 1, sequence_parallel: bool = False, **layer: Any
-) -> float:
-    """Bytes one decoder layer saves for backward on one rank, for `tokens` tokens of the whole sequence:
-    `layer_activation_bytes` (its keyword arguments in `layer`), the sharded part split by tp. Sequence parallelism
-    runs the norms on this rank's tokens, so their saved inputs are split by tp too; each block's LoRA A then saves
-    the all-gathered input it reads, whole on every rank, as tp-sp-ft's linears do. (Megatron-LM saves a column
-    linear's local shard instead and all-gathers it again in backward, Korthikanti et al. 2022, Sec. 4.2.2, which
-    would split the whole hidden part.)"""
-    hidden_part, sharded_part = layer_activation_bytes(shape, **layer)
-    norms = 2 * FP32 * (shape.hidden + 1)  # input_layernorm, post_attention_layernorm: fp32 input and 1/rms
-    if layer.get("full_finetune"):
-        norms += 2 * layer["act_bytes"] * shape.hidden  # and the normalised inputs their trainable weights save
-    sp = tp if sequence_parallel else 1
-    return tokens * (norms / sp + hidden_part - norms + sharded_part / tp)
-
-
 @dataclass(frozen=True)
 class MemoryPrediction:
     """Predicted bytes on the busiest GPU, by component."""
@@ -337,178 +231,258 @@ def predict(
     fp32_adapter_compute: the adapters computing in fp32 as PEFT does by default (runs measured before the
     scripts switched to `lora.adapters_compute_in`).
 
-    Assumptions, each a choice the experiment scripts make or a framework default:
-    - Activation dtype: `dtype`, except NF4 with `kbit_upcast` (peft's prepare_model_for_kbit_training): the
-      upcast fp32 embedding makes the residual stream, and so every activation, fp32 (peft's recipe has no
-      autocast). The LoRA adapters compute in the activation dtype (`lora.adapters_compute_in`).
-    - Checkpointing is non-reentrant and per decoder layer: each layer keeps its input (a*h per token) and
-      backward recomputes one layer at a time, so one layer's full activations count once, at the recompute
-      peak, with its backward's gradients.
-    - Logits: cross-entropy saves its fp32 log-softmax, and its backward adds two fp32 tensors of the same size:
-      12 bytes per logit at the loss peak (the model's own bf16 logits are freed before backward: the scripts
-      drop the output, pp-ft's loss function its logits). Beside them the final norm's fp32 input and the lm_head's
-      input picked at the answer positions (`logits_to_keep`), which saves the whole normed sequence.
-      `logit_positions` is how many positions per sequence the lm_head runs on, None counting every position
-      (seq_len), an upper bound. Under TP they are gathered (full vocab on every rank).
-    - FSDP2 with accumulation_steps > 1: the scripts skip the reduce-scatter until the last micro-step
-      (`set_requires_gradient_sync`), so the gradients accumulate unsharded, whole on every rank.
-    - FSDP2: at peak the current layer and the prefetched next one are unsharded (all layers with
-      reshard_after_forward=False), and the root unit (embeddings, final norm) stays unsharded throughout,
-      FSDP2's default for the root module.
-    - Sequence parallelism (tp-sp-ft's) splits the norms' saved inputs by tp, and the layer input checkpointing
-      keeps; the LoRA inputs inside the blocks are the all-gathered sequence, saved whole. (Megatron-LM saves
-      them sequence-sharded and all-gathers again in backward: Korthikanti et al.'s 34sbh/t.)
-    - PP: GPipe keeps all m micro-batches in flight on every stage; 1F1B keeps min(m, p - k) on stage k, so
-      min(m, p) on the first and 1 on the last. num_microbatches (m) defaults to pp. pp_stage: "first" or
-      "last" predicts that stage (the first holds the embedding and the most micro-batches in flight, the last
-      the lm_head and the loss), None the busier of the two. The last stage's output (the normed sequence) is
-      kept for every micro-batch of the step: the schedule merges them into the step's output. Under 1F1B a
-      stage that receives activations and computes the loss (the last) keeps every micro-batch's received
-      activation to the step's end: torch's schedule keeps each loss with its autograd graph, whose
-      AccumulateGrad holds that leaf.
-    - Every layer is counted alike, though layer 0 saves a little less: its input, the frozen embedding's
-      output, needs no gradient, so autograd skips its first norm's input (and q/k/v dropout masks).
+    The assumptions, each a choice the experiment scripts make or a framework default, are stated with the step
+    that makes it: `_Setup._precision` (the activation dtype), `_Setup._layer` (checkpointing, sequence
+    parallelism, every layer alike), `_Setup.stage` (pipeline parallelism, FSDP2's gradients), `_Setup._loss`
+    (the logits) and `_Setup._fsdp_unsharded` (FSDP2's peak).
     """
-    if technique not in TECHNIQUES:
-        raise ValueError(f"technique must be one of {TECHNIQUES}, got {technique!r}")
-    if quant not in ("nf4", "none") or dtype not in DTYPE_BYTES:
-        raise ValueError(f"quant must be 'nf4' or 'none' and dtype 'bf16' or 'fp32', got {quant!r}, {dtype!r}")
-    if full_finetune and quant != "none":
-        raise ValueError("a full finetune trains every weight: it cannot use a frozen 4-bit base")
-    if technique in ("tp", "tp-sp") and tp == 1:
-        tp = world_size
-    if technique == "pp" and pp == 1:
-        pp = world_size
-    if shape.layers % pp or shape.kv_heads % tp:
-        raise ValueError(f"pp={pp} must divide {shape.layers} layers and tp={tp} the {shape.kv_heads} KV heads")
-    if world_size % (tp * pp):
-        raise ValueError(f"world_size={world_size} is not a multiple of tp*pp={tp * pp}")
-    sequence_parallel = sequence_parallel or technique == "tp-sp"
-    dp = world_size // (tp * pp)
-    shards = dp if technique == "fsdp" else 1
+    setup = _Setup(**locals())  # the arguments, as given: checked and resolved
+    if pp_stage is not None:
+        return setup.stage(pp_stage == "first", pp_stage == "last")
+    candidates = [setup.stage(True, True)] if setup.pp == 1 else [setup.stage(True, False), setup.stage(False, True)]
+    return max(candidates, key=lambda p: p.total)
 
-    base_bytes = DTYPE_BYTES[dtype]
-    act = FP32 if quant == "nf4" and kbit_upcast else base_bytes
-    if full_finetune:  # ZeRO's mixed precision: bf16 weights and grads, fp32 master + 2 moments (K = 12)
-        linear_bytes = other_bytes = grad_bytes = base_bytes
-        optim_bytes = 12 if base_bytes == 2 else 8  # an fp32 model needs no master copy
-    else:
-        linear_bytes = NF4_BYTES_PER_PARAM if quant == "nf4" else base_bytes
-        other_bytes = FP32 if quant == "nf4" and kbit_upcast else base_bytes  # embeddings and norms
-        grad_bytes, optim_bytes = FP32, 8  # on the fp32 adapters only
 
-    # FSDP shards a 4-bit layer's packed codes only: its quantization constants are a module attribute
-    # (`Linear4bit.quant_state`), not a parameter, replicated on every rank and never gathered.
-    constant_bytes = linear_bytes - NF4_PACKED_BYTES if quant == "nf4" and technique == "fsdp" else 0.0
-    linear_bytes -= constant_bytes
-    layers = shape.layers // pp
-    layer_weights = shape.linear_params() / tp * linear_bytes + shape.norm_params() * other_bytes  # parameters
-    layer_constants = shape.linear_params() / tp * constant_bytes
-    layer_lora = 0 if full_finetune else lora_params(shape, lora_rank, lora_targets, tp) // shape.layers
-    tokens = micro_batch_size * seq_len
-    layer_acts = layer_saved_bytes(
-        shape,
-        tokens,
-        tp=tp,
-        sequence_parallel=sequence_parallel,
-        act_bytes=act,
-        lora_targets=lora_targets,
-        lora_rank=lora_rank,
-        lora_dropout=lora_dropout,
-        full_finetune=full_finetune,
-        fp32_adapter_compute=fp32_adapter_compute,
-    )
-    sp = tp if sequence_parallel else 1
-    # The bf16 copies autocast makes of a layer's fp32 adapter weights, saved by its LoRA matmuls (FSDP gathers
-    # the adapters in param_dtype instead: in `gathered`). They live while autocast caches them or backward
-    # needs them: one recomputed layer's with checkpointing, every layer's without; around pp's schedule.step
-    # autocast spans the whole step, so every layer of the stage keeps its copies cached.
-    no_copies = act == FP32 or full_finetune or fp32_adapter_compute or technique == "fsdp"
-    copies = 0 if no_copies else act * layer_lora
-    copies *= layers if technique == "pp" or not grad_checkpointing else 1
-    kept_per_layer = tokens * act * shape.hidden / sp if grad_checkpointing else layer_acts
-    m = num_microbatches or pp
-    if pp_schedule not in ("gpipe", "1f1b"):
-        raise ValueError(f"pp_schedule must be 'gpipe' or '1f1b', got {pp_schedule!r}")
-    if pp_stage not in (None, "first", "last") or (pp_stage is not None and pp == 1):
-        raise ValueError(f"pp_stage must be 'first' or 'last' (of pp > 1 stages) or None, got {pp_stage!r}")
+@dataclass
+class _Setup:
+    """`predict`'s arguments, checked, and what they imply for every pipeline stage: the parallel degrees, the bytes
+    of each kind of state, one decoder layer's parameters and saved activations (`__post_init__`'s steps)."""
 
-    def stage(first: bool, last: bool) -> MemoryPrediction:
-        """One pipeline stage (the whole model when pp == 1)."""
-        in_flight = m if pp_schedule == "gpipe" else min(m, pp if first else 1)
+    shape: ModelShape
+    technique: str
+    quant: str
+    dtype: str
+    world_size: int
+    tp: int  # resolved: the degree of "tp" / "tp-sp", world_size unless given
+    pp: int  # resolved: the degree of "pp", world_size unless given
+    sequence_parallel: bool  # resolved: on with "tp-sp"
+    lora_rank: int
+    lora_targets: Sequence[str]
+    lora_dropout: float
+    full_finetune: bool
+    fp32_adapter_compute: bool
+    kbit_upcast: bool
+    logit_positions: int | None
+    micro_batch_size: int
+    seq_len: int
+    grad_checkpointing: bool
+    pp_schedule: str
+    num_microbatches: int | None
+    pp_stage: str | None
+    reshard_after_forward: bool
+    accumulation_steps: int
+
+    def __post_init__(self) -> None:
+        self._check()
+        self._precision()
+        self._layer()
+        if self.pp_schedule not in ("gpipe", "1f1b"):
+            raise ValueError(f"pp_schedule must be 'gpipe' or '1f1b', got {self.pp_schedule!r}")
+        if self.pp_stage not in (None, "first", "last") or (self.pp_stage is not None and self.pp == 1):
+            raise ValueError(f"pp_stage must be 'first' or 'last' (of pp > 1 stages) or None, got {self.pp_stage!r}")
+
+    def _check(self) -> None:
+        """The arguments' values, and the parallel degrees: tp and pp (world_size for the technique that splits by
+        them, unless given), the data-parallel ranks FSDP shards over (`shards`)."""
+        shape, technique, quant, dtype = self.shape, self.technique, self.quant, self.dtype
+        if technique not in TECHNIQUES:
+            raise ValueError(f"technique must be one of {TECHNIQUES}, got {technique!r}")
+        if quant not in ("nf4", "none") or dtype not in DTYPE_BYTES:
+            raise ValueError(f"quant must be 'nf4' or 'none' and dtype 'bf16' or 'fp32', got {quant!r}, {dtype!r}")
+        if self.full_finetune and quant != "none":
+            raise ValueError("a full finetune trains every weight: it cannot use a frozen 4-bit base")
+        if technique in ("tp", "tp-sp") and self.tp == 1:
+            self.tp = self.world_size
+        if technique == "pp" and self.pp == 1:
+            self.pp = self.world_size
+        tp, pp = self.tp, self.pp
+        if shape.layers % pp or shape.kv_heads % tp:
+            raise ValueError(f"pp={pp} must divide {shape.layers} layers and tp={tp} the {shape.kv_heads} KV heads")
+        if self.world_size % (tp * pp):
+            raise ValueError(f"world_size={self.world_size} is not a multiple of tp*pp={tp * pp}")
+        self.sequence_parallel = self.sequence_parallel or technique == "tp-sp"
+        dp = self.world_size // (tp * pp)
+        self.shards = dp if technique == "fsdp" else 1
+
+    def _precision(self) -> None:
+        """Bytes per element of each kind of state: activations (`act`), projection weights (`linear_bytes`, and
+        under FSDP a 4-bit weight's `constant_bytes` apart), the other weights (`other_bytes`: embeddings and
+        norms), gradients and optimizer state (`grad_bytes`, `optim_bytes`, per trainable parameter).
+
+        Activation dtype: `dtype`, except NF4 with `kbit_upcast` (peft's prepare_model_for_kbit_training): the
+        upcast fp32 embedding makes the residual stream, and so every activation, fp32 (peft's recipe has no
+        autocast). The LoRA adapters compute in the activation dtype (`lora.adapters_compute_in`)."""
+        quant, full_finetune, kbit_upcast = self.quant, self.full_finetune, self.kbit_upcast
+        base_bytes = DTYPE_BYTES[self.dtype]
+        self.act = FP32 if quant == "nf4" and kbit_upcast else base_bytes
+        if full_finetune:  # ZeRO's mixed precision: bf16 weights and grads, fp32 master + 2 moments (K = 12)
+            linear_bytes = self.other_bytes = self.grad_bytes = base_bytes
+            self.optim_bytes = 12 if base_bytes == 2 else 8  # an fp32 model needs no master copy
+        else:
+            linear_bytes = NF4_BYTES_PER_PARAM if quant == "nf4" else base_bytes
+            self.other_bytes = FP32 if quant == "nf4" and kbit_upcast else base_bytes  # embeddings and norms
+            self.grad_bytes, self.optim_bytes = FP32, 8  # on the fp32 adapters only
+
+        # FSDP shards a 4-bit layer's packed codes only: its quantization constants are a module attribute
+        # (`Linear4bit.quant_state`), not a parameter, replicated on every rank and never gathered.
+        self.constant_bytes = linear_bytes - NF4_PACKED_BYTES if quant == "nf4" and self.technique == "fsdp" else 0.0
+        self.linear_bytes = linear_bytes - self.constant_bytes
+
+    def _layer(self) -> None:
+        """One decoder layer on one rank: its parameters (`layer_weights`, `layer_constants`, `layer_lora`), what it
+        saves for backward (`layer_acts`), what it keeps from forward to backward (`kept_per_layer`) and the bf16
+        copies of the adapters (`copies`); the stage's layers and micro-batches.
+
+        - Checkpointing is non-reentrant and per decoder layer: each layer keeps its input (a*h per token) and
+          backward recomputes one layer at a time, so one layer's full activations count once, at the recompute
+          peak, with its backward's gradients.
+        - Sequence parallelism (tp-sp-ft's) splits the norms' saved inputs by tp, and the layer input checkpointing
+          keeps; the LoRA inputs inside the blocks are the all-gathered sequence, saved whole. (Megatron-LM saves
+          them sequence-sharded and all-gathers again in backward: Korthikanti et al.'s 34sbh/t.)
+        - Every layer is counted alike, though layer 0 saves a little less: its input, the frozen embedding's
+          output, needs no gradient, so autograd skips its first norm's input (and q/k/v dropout masks)."""
+        shape, tp, pp, act = self.shape, self.tp, self.pp, self.act
+        self.layers = shape.layers // pp
+        self.layer_weights = shape.linear_params() / tp * self.linear_bytes + shape.norm_params() * self.other_bytes
+        self.layer_constants = shape.linear_params() / tp * self.constant_bytes
+        lora = 0 if self.full_finetune else lora_params(shape, self.lora_rank, self.lora_targets, tp) // shape.layers
+        self.layer_lora = lora
+        self.tokens = tokens = self.micro_batch_size * self.seq_len
+        self.layer_acts = layer_saved_bytes(
+            shape,
+            tokens,
+            tp=tp,
+            sequence_parallel=self.sequence_parallel,
+            act_bytes=act,
+            lora_targets=self.lora_targets,
+            lora_rank=self.lora_rank,
+            lora_dropout=self.lora_dropout,
+            full_finetune=self.full_finetune,
+            fp32_adapter_compute=self.fp32_adapter_compute,
+        )
+        self.sp = tp if self.sequence_parallel else 1
+        # The bf16 copies autocast makes of a layer's fp32 adapter weights, saved by its LoRA matmuls (FSDP gathers
+        # the adapters in param_dtype instead: in `gathered`). They live while autocast caches them or backward
+        # needs them: one recomputed layer's with checkpointing, every layer's without; around pp's schedule.step
+        # autocast spans the whole step, so every layer of the stage keeps its copies cached.
+        no_copies = act == FP32 or self.full_finetune or self.fp32_adapter_compute or self.technique == "fsdp"
+        copies = 0 if no_copies else act * lora
+        self.copies = copies * (self.layers if self.technique == "pp" or not self.grad_checkpointing else 1)
+        self.kept_per_layer = tokens * act * shape.hidden / self.sp if self.grad_checkpointing else self.layer_acts
+        self.m = self.num_microbatches or pp
+
+    def stage(self, first: bool, last: bool) -> MemoryPrediction:
+        """One pipeline stage (the whole model when pp == 1).
+
+        - PP: GPipe keeps all m micro-batches in flight on every stage; 1F1B keeps min(m, p - k) on stage k, so
+          min(m, p) on the first and 1 on the last. num_microbatches (m) defaults to pp. pp_stage: "first" or
+          "last" predicts that stage (the first holds the embedding and the most micro-batches in flight, the last
+          the lm_head and the loss), None the busier of the two. The last stage's output (the normed sequence) is
+          kept for every micro-batch of the step: the schedule merges them into the step's output. Under 1F1B a
+          stage that receives activations and computes the loss (the last) keeps every micro-batch's received
+          activation to the step's end: torch's schedule keeps each loss with its autograd graph, whose
+          AccumulateGrad holds that leaf.
+        - FSDP2 with accumulation_steps > 1: the scripts skip the reduce-scatter until the last micro-step
+          (`set_requires_gradient_sync`), so the gradients accumulate unsharded, whole on every rank."""
+        shape, layers, layer_lora, shards = self.shape, self.layers, self.layer_lora, self.shards
+        in_flight = self.m if self.pp_schedule == "gpipe" else min(self.m, self.pp if first else 1)
         # Outside the layers: the embedding on the first stage; the final norm and the lm_head on the last,
         # where a tied lm_head is the embedding itself unless the two sit on different stages.
         outside = first * shape.embedding_params()
         if last:
             outside += shape.hidden + (0 if shape.tied_embeddings and first else shape.embedding_params())
-        weights = layers * layer_weights + outside * other_bytes
-        n_base = layers * (shape.linear_params() / tp + shape.norm_params()) + outside
-        trainable = n_base if full_finetune else layers * layer_lora
+        weights = layers * self.layer_weights + outside * self.other_bytes
+        n_base = layers * (shape.linear_params() / self.tp + shape.norm_params()) + outside
+        trainable = n_base if self.full_finetune else layers * layer_lora
         lora = FP32 * layers * layer_lora
-        grads = grad_bytes * trainable * (2 if technique == "ddp" else 1)  # DDP: + its gradient buckets
-        optim = optim_bytes * trainable
+        grads = self.grad_bytes * trainable * (2 if self.technique == "ddp" else 1)  # DDP: + its gradient buckets
+        optim = self.optim_bytes * trainable
 
-        acts = in_flight * layers * kept_per_layer + 2 * seq_len * shape.head_dim * act  # + RoPE cos, sin
-        acts += copies
+        acts = (
+            in_flight * layers * self.kept_per_layer + 2 * self.seq_len * shape.head_dim * self.act
+        )  # + RoPE cos, sin
+        acts += self.copies
         # Backward has two peaks, and the larger one counts: at the loss, and in the first layer it runs (the first
         # it recomputes, with checkpointing), once the loss's tensors are freed.
         loss_peak = 0.0
         if last:
-            positions = micro_batch_size * (logit_positions or seq_len)
-            n_logits = shape.vocab * positions
-            # Saved until the loss backward: the final norm's fp32 input and 1/rms; the lm_head's input picked at
-            # the answer positions (a gather that saves the whole normed sequence and an int64 index of the picked
-            # rows' shape); cross-entropy's fp32 log-softmax. The model's own bf16 logits are freed before backward
-            # (the scripts drop the output; pp-ft's loss function makes them from its stage output and drops them).
-            final_norm = tokens * (FP32 * (shape.hidden + 1) + (2 * act * shape.hidden if full_finetune else 0)) / sp
-            normed = tokens * act * shape.hidden
-            # pp's stage output is the normed sequence, which the schedule keeps for every micro-batch of the step
-            # (its merged output): counted below, once per micro-batch, not with each micro-batch's saved tensors.
-            picked = 0.0 if logit_positions is None else 8 * positions * shape.hidden
-            picked += normed if logit_positions is not None and technique != "pp" else 0.0
-            picked += normed if sequence_parallel else 0.0  # the sequence all-gather's copy
-            saved = final_norm + picked + FP32 * n_logits
-            acts += (in_flight - 1) * saved + (m * normed if technique == "pp" else 0.0)
-            if technique == "pp" and not first and pp_schedule == "1f1b":
-                # torch's schedule keeps each micro-batch's loss, with its graph, until the step ends, and the
-                # graph's AccumulateGrad holds the activation the stage received: the m - 1 micro-batches done keep
-                # theirs (GPipe's in-flight count has them already).
-                acts += (m - 1) * tokens * act * shape.hidden
-            # The last micro-batch's loss backward: the log-softmax's gradient and its input's, fp32, beside it.
-            loss_peak = saved + 2 * FP32 * n_logits
-        # The layer's backward holds gradients beside what it saved; at its peak, inside down_proj's LoRA backward:
-        # A's input gradient (the MLP's width, in the adapters' dtype), five of the hidden width in the stream
-        # dtype, one fp32 value per token (counted on ftkit.realscale's fake-tensor runs, to the byte).
-        lora_a = FP32 if fp32_adapter_compute else act
-        working = tokens * (lora_a * shape.intermediate / tp + 5 * act * shape.hidden / sp + FP32)
-        layer_peak = working + (layer_acts if grad_checkpointing else 0.0)
-
-        # FSDP's unsharded copies for compute, on top of the resident shards: the root unit (embeddings, final
-        # norm) throughout; the layers at the layer peak, the current one and the prefetched next (all of them,
-        # at both peaks, with reshard_after_forward=False, which keeps them from forward on). A group of one
-        # prefetches nothing: FSDP2 skips the all-gather and copies a unit's shards into its unsharded parameters
-        # when the unit runs, so only the current layer is unsharded. A 4-bit layer is gathered as its packed codes
-        # (its quantization constants are resident on every rank, not gathered).
-        root = layer_set = 0.0
-        if technique == "fsdp":
-            root = outside * other_bytes
-            held = (2 if shards > 1 else 1) if reshard_after_forward else layers
-            layer_set = (layer_weights + FP32 * layer_lora) * held
-        at_loss = 0.0 if reshard_after_forward else layer_set
+            acts, loss_peak = self._loss(acts, first, in_flight)
+        layer_peak = self._layer_peak()
+        root, layer_set = self._fsdp_unsharded(outside)
+        at_loss = 0.0 if self.reshard_after_forward else layer_set
         if loss_peak + at_loss >= layer_peak + layer_set:
             acts, gathered = acts + loss_peak, root + at_loss
         else:
             acts, gathered = acts + layer_peak, root + layer_set
         return MemoryPrediction(
-            weights=weights / shards + layers * layer_constants,
+            weights=weights / shards + layers * self.layer_constants,
             lora=lora / shards,
-            gradients=grads / (1 if accumulation_steps > 1 else shards),
+            gradients=grads / (1 if self.accumulation_steps > 1 else shards),
             optimizer=optim / shards,
             activations=acts,
             gathered=gathered,
         )
 
-    if pp_stage is not None:
-        return stage(pp_stage == "first", pp_stage == "last")
-    candidates = [stage(True, True)] if pp == 1 else [stage(True, False), stage(False, True)]
-    return max(candidates, key=lambda p: p.total)
+    def _loss(self, acts: float, first: bool, in_flight: int) -> tuple[float, float]:
+        """The last stage's activations (`acts`) with what it keeps for the loss, and the loss backward's own peak.
+
+        Logits: cross-entropy saves its fp32 log-softmax, and its backward adds two fp32 tensors of the same size:
+        12 bytes per logit at the loss peak (the model's own bf16 logits are freed before backward: the scripts
+        drop the output, pp-ft's loss function its logits). Beside them the final norm's fp32 input and the
+        lm_head's input picked at the answer positions (`logits_to_keep`), which saves the whole normed sequence.
+        `logit_positions` is how many positions per sequence the lm_head runs on, None counting every position
+        (seq_len), an upper bound. Under TP they are gathered (full vocab on every rank)."""
+        shape, act, tokens, sp, m = self.shape, self.act, self.tokens, self.sp, self.m
+        technique, logit_positions = self.technique, self.logit_positions
+        positions = self.micro_batch_size * (logit_positions or self.seq_len)
+        n_logits = shape.vocab * positions
+        # Saved until the loss backward: the final norm's fp32 input and 1/rms; the lm_head's input picked at
+        # the answer positions (a gather that saves the whole normed sequence and an int64 index of the picked
+        # rows' shape); cross-entropy's fp32 log-softmax. The model's own bf16 logits are freed before backward
+        # (the scripts drop the output; pp-ft's loss function makes them from its stage output and drops them).
+        final_norm = tokens * (FP32 * (shape.hidden + 1) + (2 * act * shape.hidden if self.full_finetune else 0)) / sp
+        normed = tokens * act * shape.hidden
+        # pp's stage output is the normed sequence, which the schedule keeps for every micro-batch of the step
+        # (its merged output): counted below, once per micro-batch, not with each micro-batch's saved tensors.
+        picked = 0.0 if logit_positions is None else 8 * positions * shape.hidden
+        picked += normed if logit_positions is not None and technique != "pp" else 0.0
+        picked += normed if self.sequence_parallel else 0.0  # the sequence all-gather's copy
+        saved = final_norm + picked + FP32 * n_logits
+        acts += (in_flight - 1) * saved + (m * normed if technique == "pp" else 0.0)
+        if technique == "pp" and not first and self.pp_schedule == "1f1b":
+            # torch's schedule keeps each micro-batch's loss, with its graph, until the step ends, and the
+            # graph's AccumulateGrad holds the activation the stage received: the m - 1 micro-batches done keep
+            # theirs (GPipe's in-flight count has them already).
+            acts += (m - 1) * tokens * act * shape.hidden
+        # The last micro-batch's loss backward: the log-softmax's gradient and its input's, fp32, beside it.
+        return acts, saved + 2 * FP32 * n_logits
+
+    def _layer_peak(self) -> float:
+        """The first layer backward runs (recomputed, with checkpointing): its saved activations and the gradients
+        its backward holds beside them."""
+        # The layer's backward holds gradients beside what it saved; at its peak, inside down_proj's LoRA backward:
+        # A's input gradient (the MLP's width, in the adapters' dtype), five of the hidden width in the stream
+        # dtype, one fp32 value per token (counted on ftkit.realscale's fake-tensor runs, to the byte).
+        act, shape = self.act, self.shape
+        lora_a = FP32 if self.fp32_adapter_compute else act
+        working = self.tokens * (lora_a * shape.intermediate / self.tp + 5 * act * shape.hidden / self.sp + FP32)
+        return working + (self.layer_acts if self.grad_checkpointing else 0.0)
+
+    def _fsdp_unsharded(self, outside: float) -> tuple[float, float]:
+        """FSDP's unsharded copies for compute, on top of the resident shards: (the root unit's, the layers' at the
+        layer peak). 0 without FSDP.
+
+        FSDP2: at peak the current layer and the prefetched next one are unsharded (all layers with
+        reshard_after_forward=False), and the root unit (embeddings, final norm) stays unsharded throughout,
+        FSDP2's default for the root module."""
+        # The root unit (embeddings, final norm) throughout; the layers at the layer peak, the current one and the
+        # prefetched next (all of them, at both peaks, with reshard_after_forward=False, which keeps them from
+        # forward on). A group of one prefetches nothing: FSDP2 skips the all-gather and copies a unit's shards into
+        # its unsharded parameters when the unit runs, so only the current layer is unsharded. A 4-bit layer is
+        # gathered as its packed codes (its quantization constants are resident on every rank, not gathered).
+        root = layer_set = 0.0
+        if self.technique == "fsdp":
+            root = outside * self.other_bytes
+            held = (2 if self.shards > 1 else 1) if self.reshard_after_forward else self.layers
+            layer_set = (self.layer_weights + FP32 * self.layer_lora) * held
+        return root, layer_set

@@ -100,10 +100,11 @@ def test_each_decoder_layer_costs_on_the_h100_what_the_memory_model_says():
     must be what the memory model says a layer adds (to 0.5%), and the model must stay a floor under each peak,
     less than 150 MiB below it: what CUDA adds is a constant of the step, not a per-layer term (the devlog says
     what it is: 64-66 MiB, 72 MiB more with a padded row; without cuBLAS's workspace, under 8 MiB unpadded)."""
-    from ftkit import cli, metrics, models, realscale
+    from ftkit import cli, metrics, models
+    from ftkit.realscale import command, configuration
 
-    args = realscale.script_args(
-        cli.load_experiment("single-gpu-ft"), realscale.parse_args(["--technique", "single", "--quant", "none"])
+    args = configuration.script_args(
+        cli.load_experiment("single-gpu-ft"), command.parse_args(["--technique", "single", "--quant", "none"])
     )
     rows = [json.loads(line) for line in (GPU_EXTRA / "gpu-memory-layers.jsonl").read_text().splitlines()]
     runs = [r for r in rows if "layers" in r]

@@ -73,7 +73,7 @@ def test_each_name_and_key_belongs_to_one_row():
 
 
 def test_the_planners_gpu_keys_still_work():
-    """ftkit/plan.py's --gpu choices, as the README and the posts quote them."""
+    """ftkit/plan/'s --gpu choices, as the README and the posts quote them."""
     for key in ("h200", "h100-pcie", "h100-nvl", "h100-sxm", "a100-80gb", "l40s", "l4", "rtx4090", "rtx3090"):
         assert hardware.gpu(key).key == key
 

@@ -25,9 +25,14 @@ def modules() -> dict[str, Path]:
 
 
 def ftkit_imports(path: Path, known: set[str]) -> set[str]:
-    """The ftkit modules `path` imports anywhere in it (at the top or inside a function)."""
+    """The ftkit modules `path` imports anywhere in it (at the top or inside a function), except for type
+    annotations only (under `if TYPE_CHECKING:`, never run)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            node.body = []
     names = set()
-    for node in ast.walk(ast.parse(path.read_text())):
+    for node in ast.walk(tree):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:

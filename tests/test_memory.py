@@ -9,12 +9,12 @@ from peft import LoraConfig, get_peft_model
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 from ftkit import lora
+from ftkit.activations import layer_activation_bytes
 from ftkit.memory import (
     LORA_TARGETS,
     NF4_BYTES_PER_PARAM,
     QWEN3_4B,
     ModelShape,
-    layer_activation_bytes,
     lora_params,
     predict,
     zero_bytes,
@@ -78,8 +78,8 @@ def tiny_lora_model(dtype: torch.dtype, rank: int, dropout: float, layers: int =
     torch.manual_seed(0)
     config = Qwen3Config(**{**TINY, "num_hidden_layers": layers}, attn_implementation="sdpa")
     model = Qwen3ForCausalLM(config).to(dtype)
-    lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=list(LORA_TARGETS))
-    model = get_peft_model(model, lora)
+    adapter = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=dropout, target_modules=list(LORA_TARGETS))
+    model = get_peft_model(model, adapter)
     return (model if peft_default else lora.adapters_compute_in(model, dtype)).train()
 
 
@@ -269,8 +269,9 @@ def test_the_framework_posts_per_token_items_add_up_to_the_models_layer():
     import re
     from pathlib import Path
 
-    from ftkit import plan
-    from ftkit.memory import ModelShape, layer_activation_bytes
+    from ftkit.activations import layer_activation_bytes
+    from ftkit.memory import ModelShape
+    from ftkit.plan import settings
 
     post = (Path(__file__).resolve().parents[1] / "blogs" / "what-fills-gpu-memory.md").read_text()
     found = re.search(
@@ -281,7 +282,7 @@ def test_the_framework_posts_per_token_items_add_up_to_the_models_layer():
     )
     assert found, "the post's per-token list"
     norms, sdpa, swiglu, lora_a, qkv, gate_up, down, lora_b, total = (int(x.replace(",", "")) for x in found.groups())
-    shape = ModelShape.from_config(plan.model_config("Qwen/Qwen3-4B"))
+    shape = ModelShape.from_config(settings.model_config("Qwen/Qwen3-4B"))
     h, i = shape.hidden, shape.intermediate
     assert (qkv, gate_up, down, swiglu) == (2 * h, 2 * h, 2 * i, 3 * 2 * i)  # bf16 tensors h or i wide
     assert lora_b == 2 * 16 * 7  # rank 16, seven adapters

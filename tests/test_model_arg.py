@@ -237,10 +237,10 @@ def test_bitsandbytes_kernels_community_fallback_is_not_shown(caplog):
 
 
 def test_the_planner_refuses_a_model_that_cannot_be_had_in_one_line(capsys):
-    from ftkit import plan
+    from ftkit.plan.__main__ import main
 
     with pytest.raises(SystemExit) as exit_:
-        plan.main(["--model", "/no/such/dir", "--gpus", "2"])
+        main(["--model", "/no/such/dir", "--gpus", "2"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and "error: --model /no/such/dir: no such model folder" in err
     assert "Traceback" not in err

@@ -11,14 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from ftkit import hardware, plan
+from ftkit import hardware
+from ftkit.plan import hosts, layouts, recommendation, settings, techniques, timing
+from ftkit.plan.__main__ import main
 
 REALSCALE = sorted((Path(__file__).resolve().parents[1] / "devlogs" / "runs" / "realscale").glob("*.json"))
 
 
-def setting(**kw) -> plan.Setting:
+def setting(**kw) -> settings.Setting:
     base = dict(
-        config=plan.model_config("Qwen/Qwen3-4B"),
+        config=settings.model_config("Qwen/Qwen3-4B"),
         gpu=hardware.gpu("h100-sxm"),
         gpus=2,
         nodes=1,
@@ -26,7 +28,7 @@ def setting(**kw) -> plan.Setting:
         inter_node_link=hardware.LINKS["ib-ndr"],
         memory_bytes=hardware.gpu("h100-sxm").memory_bytes,
     )
-    return plan.Setting(**{**base, **kw})
+    return settings.Setting(**{**base, **kw})
 
 
 def row(result: dict, experiment: str, **match) -> dict:
@@ -44,12 +46,12 @@ def test_there_are_tracked_runs_to_check_against():
 def test_the_planners_memory_is_the_one_checked_at_real_scale_and_its_margin_covers_the_tracked_peak(path):
     r = json.loads(path.read_text())
     c = r["config"]
-    s = setting(gpus=r["world_size"], **plan.run_flags(c))
+    s = setting(gpus=r["world_size"], **settings.run_flags(c))
     world = r["world_size"]
     mesh = {"single": {}, "ddp": {"dp": world}, "fsdp": {"dp": world}, "pp": {"pp": world}}.get(
         r["technique"], {"tp": world}
     )
-    planned = plan.evaluate(s, r["technique"], mesh, c["quant"])
+    planned = techniques.evaluate(s, r["technique"], mesh, c["quant"])
     # What the posts say of the model at this shape: within 3% of every tracked peak (the LoRA gradients it counts
     # are not allocated yet with one micro-step per optimizer step: 2.6% of QLoRA + DDP).
     assert 0.97 <= r["tracked_peak_bytes"] / r["predicted_bytes"] <= 1.02
@@ -61,7 +63,7 @@ def test_the_planners_memory_is_the_one_checked_at_real_scale_and_its_margin_cov
     assert planned["memory_bytes"] == pytest.approx(busiest, rel=1e-9)
     # ... and the planner's margin above it covers what was tracked. A tracked run beyond the margin means the
     # margin (or the model) must change.
-    assert r["tracked_peak_bytes"] <= planned["memory_bytes"] * plan.MEMORY_MARGIN
+    assert r["tracked_peak_bytes"] <= planned["memory_bytes"] * techniques.MEMORY_MARGIN
 
 
 def test_the_recompute_the_planner_adds_is_the_one_counted_at_real_scale():
@@ -69,8 +71,8 @@ def test_the_recompute_the_planner_adds_is_the_one_counted_at_real_scale():
     attention causal) against the count on the fake-tensor FSDP run (rank 0's sequences), to 0.1%."""
     r = json.loads(next(p for p in REALSCALE if p.stem == "fsdp-world8").read_text())
     counted = r["flops_counted_with_recompute"] - r["flops_counted"]
-    on = plan.evaluate(setting(gpus=8), "fsdp", {"dp": 8}, "none")
-    off = plan.evaluate(setting(gpus=8, grad_checkpointing=False), "fsdp", {"dp": 8}, "none")
+    on = techniques.evaluate(setting(gpus=8), "fsdp", {"dp": 8}, "none")
+    off = techniques.evaluate(setting(gpus=8, grad_checkpointing=False), "fsdp", {"dp": 8}, "none")
     # The planner's compute is the convention's FLOPs (what r["flops_convention"] is for rank 0) plus the recompute.
     planned = (on["compute_s"] / off["compute_s"] - 1) * r["flops_convention"]
     assert counted == pytest.approx(planned, rel=1e-3)
@@ -79,19 +81,19 @@ def test_the_recompute_the_planner_adds_is_the_one_counted_at_real_scale():
 def test_a_collective_costs_its_ring_bytes_at_the_link_rate_plus_a_latency_per_ring_step():
     pcie = hardware.LINKS["pcie4"]
     # 1 GB all-reduced over 2 GPUs: each sends 2 (N-1)/N x 1 GB = 1 GB, at 80% of 31.5 GB/s, in 2 ring steps.
-    assert plan.collective_s("all_reduce", 1e9, 2, pcie, 0.8) == pytest.approx(1e9 / 25.2e9 + 2 * 10e-6)
+    assert timing.collective_s("all_reduce", 1e9, 2, pcie, 0.8) == pytest.approx(1e9 / 25.2e9 + 2 * 10e-6)
     # An all-gather over 4 GPUs: 3/4 of the buffer, 3 steps.
-    assert plan.collective_s("all_gather", 1e9, 4, pcie, 1.0) == pytest.approx(0.75e9 / 31.5e9 + 3 * 10e-6)
-    assert plan.collective_s("all_reduce", 1e9, 1, pcie, 0.8) == 0.0
+    assert timing.collective_s("all_gather", 1e9, 4, pcie, 1.0) == pytest.approx(0.75e9 / 31.5e9 + 3 * 10e-6)
+    assert timing.collective_s("all_reduce", 1e9, 1, pcie, 0.8) == 0.0
 
 
 def test_refusals_are_the_scripts_own_messages():
     s = setting(gpus=16, nodes=2, batch_size=16)
-    tp = plan.evaluate(s, "tp-sp", {"tp": 16}, "none")
+    tp = techniques.evaluate(s, "tp-sp", {"tp": 16}, "none")
     assert "tensor-parallel degree 16 does not divide the model's 8 key/value heads" in tp["refused"]
-    ddp = plan.evaluate(s, "ddp", {"dp": 16}, "none")  # 16 sequences cannot be 2 per rank on 16 ranks
+    ddp = techniques.evaluate(s, "ddp", {"dp": 16}, "none")  # 16 sequences cannot be 2 per rank on 16 ranks
     assert "--batch-size 16 is not a multiple of --micro-batch-size 2 x 16" in ddp["refused"]
-    pp = plan.evaluate(setting(gpus=8), "pp", {"pp": 8}, "none")
+    pp = techniques.evaluate(setting(gpus=8), "pp", {"pp": 8}, "none")
     assert "8 pipeline stages do not divide the model's 36 layers" in pp["refused"]
 
 
@@ -99,7 +101,7 @@ def test_the_pcie_box_gets_data_parallelism_and_tp_sp_loses_to_fsdp_there(capsys
     """The seed's box: 2 x 24 GB on PCIe 4, Qwen3-4B at the defaults. The job fits on one GPU, so the planner
     says data parallelism; and without NVLink TP+SP's per-layer collectives on the critical path cost more than
     FSDP's prefetched weight gathers (the claim the memory post's decision tree made the other way round)."""
-    result = plan.main(["--model", "Qwen/Qwen3-4B", "--gpus", "2", "--gpu", "rtx4090", "--link", "pcie4"])
+    result = main(["--model", "Qwen/Qwen3-4B", "--gpus", "2", "--gpu", "rtx4090", "--link", "pcie4"])
     rec = result["recommendation"]
     assert (rec["experiment"], rec["mesh"], rec["quant"]) == ("ddp-ft", {"dp": 2}, "none")
     assert row(result, "fsdp-ft", quant="none")["tokens_per_s"] > row(result, "tp-sp-ft")["tokens_per_s"]
@@ -109,7 +111,7 @@ def test_the_pcie_box_gets_data_parallelism_and_tp_sp_loses_to_fsdp_there(capsys
 
 
 def test_one_80gb_gpu_gets_the_single_gpu_script_on_a_bf16_base():
-    result = plan.main(["--gpus", "1", "--gpu", "h100-sxm", "--json"])
+    result = main(["--gpus", "1", "--gpu", "h100-sxm", "--json"])
     assert [r["technique"] for r in result["techniques"]] == ["single", "single"]
     rec = result["recommendation"]
     assert (rec["experiment"], rec["quant"]) == ("single-gpu-ft", "none")
@@ -125,7 +127,7 @@ def test_two_nodes_with_a_model_that_needs_sharding_in_bf16():
     activations, so bf16 DDP is out. QLoRA DDP fits and sends only the LoRA gradients, which the planner prefers
     over any sharded bf16 layout, whose weight traffic crosses the nodes."""
     args = ["--model", "Qwen/Qwen3-32B", "--gpus", "16", "--nodes", "2", "--link", "nvlink4"]
-    result = plan.main([*args, "--inter-node-link", "ib-ndr", "--batch-size", "64", "--json"])
+    result = main([*args, "--inter-node-link", "ib-ndr", "--batch-size", "64", "--json"])
     assert not row(result, "ddp-ft", quant="none")["fits"]
     assert not row(result, "single-gpu-ft", quant="none")["fits"]
     rec = result["recommendation"]
@@ -141,25 +143,28 @@ def test_fsdp_ft_is_planned_on_a_4bit_base_too():
     """fsdp-ft --quant nf4: the packed 4-bit codes sharded (the quantization constants whole on every rank), so
     less memory per GPU than QLoRA DDP and than bf16 FSDP; it gathers 0.5 B per projection weight where bf16 FSDP
     gathers 2, and pays NF4's dequantization on every pass as ddp-ft --quant nf4 does. Its label is the command."""
-    result = plan.main(["--gpus", "2", "--gpu", "rtx4090", "--link", "pcie4", "--json"])
+    result = main(["--gpus", "2", "--gpu", "rtx4090", "--link", "pcie4", "--json"])
     fsdp_nf4, fsdp_bf16 = row(result, "fsdp-ft", quant="nf4"), row(result, "fsdp-ft", quant="none")
     ddp_nf4 = row(result, "ddp-ft", quant="nf4")
     assert (fsdp_nf4["technique"], fsdp_nf4["mesh"]) == ("fsdp", {"dp": 2})
-    assert plan.label(fsdp_nf4) == "fsdp-ft --quant nf4 (dp2)" and plan.label(fsdp_bf16) == "fsdp-ft (dp2)"
+    assert (
+        recommendation.label(fsdp_nf4) == "fsdp-ft --quant nf4 (dp2)"
+        and recommendation.label(fsdp_bf16) == "fsdp-ft (dp2)"
+    )
     assert fsdp_nf4["memory_bytes"] < ddp_nf4["memory_bytes"] and fsdp_nf4["memory_bytes"] < fsdp_bf16["memory_bytes"]
     assert fsdp_nf4["compute_s"] == ddp_nf4["compute_s"] > fsdp_bf16["compute_s"]  # the dequantization
     assert 0 < fsdp_nf4["exposed_comm_s"] < fsdp_bf16["exposed_comm_s"]
     experiments = [(r["experiment"], r["quant"]) for r in result["techniques"]]
     assert experiments[2:6] == [("ddp-ft", "nf4"), ("ddp-ft", "none"), ("fsdp-ft", "nf4"), ("fsdp-ft", "none")]
     # The host model prices its micro-batches with the 4-bit step's op counts, as for ddp-ft --quant nf4.
-    hosted = plan.main(["--gpus", "2", "--host", "h100-vm", "--layout", "packed", "--json"])
+    hosted = main(["--gpus", "2", "--host", "h100-vm", "--layout", "packed", "--json"])
     fsdp_nf4, ddp_nf4 = row(hosted, "fsdp-ft", quant="nf4"), row(hosted, "ddp-ft", quant="nf4")
     assert fsdp_nf4["host_ops_per_micro_batch"] == ddp_nf4["host_ops_per_micro_batch"]
     assert fsdp_nf4["host_s"] == ddp_nf4["host_s"] > row(hosted, "fsdp-ft", quant="none")["host_s"]
 
 
 def test_a_job_that_fits_nowhere_says_what_to_change():
-    result = plan.main(["--model", "Qwen/Qwen3-32B", "--gpus", "1", "--gpu", "rtx4090", "--max-length", "8192"])
+    result = main(["--model", "Qwen/Qwen3-32B", "--gpus", "1", "--gpu", "rtx4090", "--max-length", "8192"])
     rec = result["recommendation"]
     assert rec["technique"] is None
     assert "nothing fits in 22 GiB" in rec["reason"] and "--max-length" in rec["reason"]
@@ -167,7 +172,7 @@ def test_a_job_that_fits_nowhere_says_what_to_change():
 
 def test_gpus_must_split_evenly_over_nodes(capsys):
     with pytest.raises(SystemExit):
-        plan.main(["--gpus", "3", "--nodes", "2"])
+        main(["--gpus", "3", "--nodes", "2"])
     assert "--gpus 3 must be a positive multiple of --nodes 2" in capsys.readouterr().err
 
 
@@ -175,7 +180,7 @@ def test_ftkits_readme_shows_what_the_planner_prints(capsys):
     readme = (Path(__file__).resolve().parents[1] / "ftkit" / "README.md").read_text()
     command = "uv run python -m ftkit.plan --model Qwen/Qwen3-4B --gpus 2 --gpu rtx4090 --link pcie4"
     shown = readme.split(f"```bash\n{command}\n```\n\n```\n", 1)[1].split("```", 1)[0]
-    plan.main(command.split()[5:])
+    main(command.split()[5:])
     assert capsys.readouterr().out == shown
 
 
@@ -184,7 +189,7 @@ def test_the_tp_sp_posts_throughput_table_is_what_the_planner_predicts(capsys):
     rows = re.findall(r"^\| [^|]*\(`(--gpu [^`]+)`\) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \| ([\d,]+) \|$", post, re.M)
     assert len(rows) == 4
     for flags, *shown in rows:
-        result = plan.main(["--gpus", "2", *flags.split(), "--json"])
+        result = main(["--gpus", "2", *flags.split(), "--json"])
         columns = [row(result, "ddp-ft", quant="none"), row(result, "fsdp-ft", quant="none"), row(result, "tp-sp-ft")]
         predicted = [f"{r['tokens_per_s']:,.0f}" for r in [*columns, row(result, "tp-ft")]]
         assert predicted == shown, flags
@@ -196,7 +201,7 @@ def test_the_fsdp_tp_posts_layout_table_is_what_the_planner_predicts(capsys):
     rows = re.findall(r"^\| `([\w-]+)(?: --quant (\w+))?`, ([^|]+?) \| ([\d.]+) GiB \| ([\d,]+) \|$", post, re.M)
     assert len(rows) == 5
     args = ["--model", "Qwen/Qwen3-32B", "--gpus", "16", "--nodes", "2", "--batch-size", "64", "--json"]
-    result = plan.main(args)
+    result = main(args)
     capsys.readouterr()
     for experiment, quant, layout, gib, tokens in rows:
         mesh = re.search(r"mesh (\d+) x (\d+)", layout)
@@ -216,7 +221,7 @@ def test_the_fsdp_tp_posts_layout_table_is_what_the_planner_predicts(capsys):
 def test_the_pinned_recommendations_hold_at_the_mfu_measured_on_an_h100(argv, capsys):
     """devlogs/single-gpu-ft.md measured 4.8% MFU where the planner assumes 40%: slower compute hides more traffic,
     and the recommendation must not depend on the optimistic figure."""
-    assumed, measured = (plan.main([*argv, "--json", *mfu])["recommendation"] for mfu in ([], ["--mfu", "0.048"]))
+    assumed, measured = (main([*argv, "--json", *mfu])["recommendation"] for mfu in ([], ["--mfu", "0.048"]))
     capsys.readouterr()
     assert (measured["experiment"], measured["mesh"], measured["quant"]) == (
         assumed["experiment"],
@@ -226,7 +231,7 @@ def test_the_pinned_recommendations_hold_at_the_mfu_measured_on_an_h100(argv, ca
 
 
 def test_the_readmes_memory_requirement_is_the_planners(capsys):
-    result = plan.main(["--gpus", "1", "--json"])
+    result = main(["--gpus", "1", "--json"])
     capsys.readouterr()
     nf4, bf16 = row(result, "single-gpu-ft", quant="nf4"), row(result, "single-gpu-ft", quant="none")
     gib = [f"{r[k] / 2**30:.1f}" for k in ("memory_bytes", "required_bytes") for r in (nf4, bf16)]
@@ -273,13 +278,13 @@ def h100_prediction(run: str) -> tuple[list[dict], dict]:
     c = summary["config"]
     s = setting(
         gpus=1,
-        **plan.run_flags(c),
+        **settings.run_flags(c),
         layout="masked",
         host="h100-vm",
         steps=summary["steps_run"],
         ops_source=H100_RUNS[run],
     )
-    steps = [plan.step_time(s, "single", {}, c["quant"], st) for st in plan.layout_steps(s, 1)]
+    steps = [timing.step_time(s, "single", {}, c["quant"], st) for st in layouts.layout_steps(s, 1)]
     return steps, summary
 
 
@@ -292,22 +297,22 @@ def test_the_ami_lengths_give_the_h100_runs_batches_step_by_step():
 
 
 def test_the_host_calibration_is_the_committed_h100_files():
-    """Every calibration constant of ftkit/plan.py, read back from the file it comes from."""
+    """Every calibration constant of ftkit/plan/hosts.py, read back from the file it comes from."""
     # step 2 of the bf16 LoRA run, unprofiled, and the profile of the same batch
-    step2 = metrics_rows(plan.H100_STEP2["run"])[plan.H100_STEP2["step"] - 1]
-    assert plan.H100_STEP2["seconds"] == step2["step_time_s"]
+    step2 = metrics_rows(hosts.H100_STEP2["run"])[hosts.H100_STEP2["step"] - 1]
+    assert hosts.H100_STEP2["seconds"] == step2["step_time_s"]
     profile = (GPU_FILES / "profile-lora-bf16-step2-ops.txt").read_text()
-    assert f"Self CUDA time total: {plan.H100_STEP2['gpu_busy_s']}s" in profile
-    assert json.loads((GPU_RUNS / plan.H100_STEP2["run"] / "summary.json").read_text())["peak_flops"] == (
-        plan.H100_PEAK_FLOPS
+    assert f"Self CUDA time total: {hosts.H100_STEP2['gpu_busy_s']}s" in profile
+    assert json.loads((GPU_RUNS / hosts.H100_STEP2["run"] / "summary.json").read_text())["peak_flops"] == (
+        hosts.H100_PEAK_FLOPS
     )
     # the op counts (devlogs/runs/plan-host/host-ops.json), and the profiles' counts beside them: the ops a profile
     # lists come out equal, but for the step's own copy_ and add_ (PROFILE_RESIDUAL_PER_STEP)
     for counted in HOST_OPS["h100"]:
         key = (counted["source"], counted["quant"])
-        assert counted["first"]["aten_ops"] == counted["later"]["aten_ops"] == plan.H100_OPS_PER_MICRO[key]
-        assert plan.H100_OPS_PER_STEP[counted["source"]] == (
-            counted["step"]["aten_ops"] + plan.PROFILE_RESIDUAL_PER_STEP
+        assert counted["first"]["aten_ops"] == counted["later"]["aten_ops"] == hosts.H100_OPS_PER_MICRO[key]
+        assert hosts.H100_OPS_PER_STEP[counted["source"]] == (
+            counted["step"]["aten_ops"] + hosts.PROFILE_RESIDUAL_PER_STEP
         )
     for source, name in (
         ("h100-session1", "profile-lora-bf16-fp32-adapters-step2-ops.txt"),
@@ -323,22 +328,22 @@ def test_the_host_calibration_is_the_committed_h100_files():
                     n * counted[part]["by_name"].get(op, 0) for part, n in (("first", 1), ("later", 7), ("step", 1))
                 )
                 residual[op] = int(cells[-1]) - by_step
-        assert residual.pop("aten::copy_") + residual.pop("aten::add_") == plan.PROFILE_RESIDUAL_PER_STEP, source
+        assert residual.pop("aten::copy_") + residual.pop("aten::add_") == hosts.PROFILE_RESIDUAL_PER_STEP, source
         assert set(residual.values()) == {0}, (source, residual)  # mm, mul, add, dropout, attention: equal
     # seconds per op and the kernels' fraction of the peak
-    ops = 8 * plan.H100_OPS_PER_MICRO["h100-session2", "none"] + plan.H100_OPS_PER_STEP["h100-session2"]
-    host = plan.HOSTS["h100-vm"]
+    ops = 8 * hosts.H100_OPS_PER_MICRO["h100-session2", "none"] + hosts.H100_OPS_PER_STEP["h100-session2"]
+    host = hosts.HOSTS["h100-vm"]
     assert host["op_s"] == pytest.approx(step2["step_time_s"] / ops, rel=1e-12)
     s = setting(gpus=1, layout="masked", steps=2)
-    step = plan.layout_steps(s, 1)[1]
+    step = layouts.layout_steps(s, 1)[1]
     assert (step.tokens, step.positions, len(step.micros)) == (28298, 28584, 8)
-    assert sum(plan.micro_flops(s, m) for m in step.micros) == plan.H100_STEP2_FLOPS
-    assert host["kernel_mfu"] == pytest.approx(plan.H100_STEP2_FLOPS / (3.386 * 989e12), rel=1e-12)
+    assert sum(timing.micro_flops(s, m) for m in step.micros) == hosts.H100_STEP2_FLOPS
+    assert host["kernel_mfu"] == pytest.approx(hosts.H100_STEP2_FLOPS / (3.386 * 989e12), rel=1e-12)
     # the first session's medians over steps 2-10, from which NF4_PASS_S comes
-    for run, median in plan.H100_SESSION1_MEDIANS.items():
+    for run, median in hosts.H100_SESSION1_MEDIANS.items():
         assert median == statistics.median(r["step_time_s"] for r in metrics_rows(run)[1:10])
     # the per-layer counts of this tree's step
-    for key, (base, per_layer) in plan.HOST_OPS.items():
+    for key, (base, per_layer) in hosts.HOST_OPS.items():
         layout, quant, checkpointing, compiled = key
         at = {
             c["layers"]: c["later"]["aten_ops"] + c["later"]["compiled_kernels"]
@@ -348,10 +353,10 @@ def test_the_host_calibration_is_the_committed_h100_files():
         assert (base + 2 * per_layer, base + 3 * per_layer) == (at[2], at[3]), key
     per_step = {c["layers"]: c["step"]["aten_ops"] for c in HOST_OPS["tree"]}
     assert (
-        plan.HOST_OPS_PER_STEP[0] + 2 * plan.HOST_OPS_PER_STEP[1],
-        sum(plan.HOST_OPS_PER_STEP) + 2 * plan.HOST_OPS_PER_STEP[1],
+        hosts.HOST_OPS_PER_STEP[0] + 2 * hosts.HOST_OPS_PER_STEP[1],
+        sum(hosts.HOST_OPS_PER_STEP) + 2 * hosts.HOST_OPS_PER_STEP[1],
     ) == (per_step[2], per_step[3])
-    assert plan.HOST_OPS_PER_STEP[0] + 36 * plan.HOST_OPS_PER_STEP[1] == HOST_OPS["h100"][0]["step"]["aten_ops"]
+    assert hosts.HOST_OPS_PER_STEP[0] + 36 * hosts.HOST_OPS_PER_STEP[1] == HOST_OPS["h100"][0]["step"]["aten_ops"]
 
 
 @pytest.mark.parametrize("run", list(H100_RUNS))
@@ -370,7 +375,7 @@ def test_packed_and_compiled_steps_are_predicted_faster_and_say_what_they_assume
     prediction and what it assumes."""
     base = ["--gpus", "1", "--host", "h100-vm", "--json"]
     padded, packed, compiled = (
-        plan.main([*base, *flags])
+        main([*base, *flags])
         for flags in (["--layout", "padded"], ["--layout", "packed"], ["--layout", "packed", "--compile"])
     )
     capsys.readouterr()
@@ -386,7 +391,7 @@ def test_packed_and_compiled_steps_are_predicted_faster_and_say_what_they_assume
         assert c["padding_fraction"] <= 0.05  # rows as wide as their micro-batch's fullest (data.packed_width)
     for result in (padded, packed, compiled):
         assert result["prediction"][0] == "PREDICTED by ftkit.plan: a model, not a measurement"
-    plan.main(["--gpus", "1", "--host", "h100-vm", "--layout", "packed", "--compile"])
+    main(["--gpus", "1", "--host", "h100-vm", "--layout", "packed", "--compile"])
     out = capsys.readouterr().out
     for said in (
         "PREDICTED by ftkit.plan: a model, not a measurement",
@@ -402,17 +407,17 @@ def test_packed_and_compiled_steps_are_predicted_faster_and_say_what_they_assume
 
 def test_compile_needs_one_shape_per_micro_batch(capsys):
     with pytest.raises(SystemExit):
-        plan.main(["--gpus", "1", "--layout", "padded", "--compile"])
+        main(["--gpus", "1", "--layout", "padded", "--compile"])
     assert "counts the compiled layers' launches on packed rows" in capsys.readouterr().err
 
 
 def test_without_a_host_the_planner_is_the_gpu_only_model_it_was():
     """--host left out and full-length rows: no host term, the assumed 40%, and the rows as before issue 30 (the posts'
     tables above pin their numbers); --mfu 0.4 given is the same setting."""
-    result = plan.main(["--gpus", "2", "--json"])
+    result = main(["--gpus", "2", "--json"])
     assert "prediction" not in result and result["assumptions"]["mfu"] == 0.4
     assert all("host_s" not in r for r in result["techniques"])
-    assert plan.main(["--gpus", "2", "--json", "--mfu", "0.4"])["techniques"] == result["techniques"]
+    assert main(["--gpus", "2", "--json", "--mfu", "0.4"])["techniques"] == result["techniques"]
 
 
 def test_the_single_gpu_devlog_states_the_planners_host_work_per_1000_tokens(capsys):
@@ -425,7 +430,7 @@ def test_the_single_gpu_devlog_states_the_planners_host_work_per_1000_tokens(cap
         ("packed, eager", ["--layout", "packed"]),
         ("packed, compiled", ["--layout", "packed", "--compile"]),
     ):
-        result = plan.main([*base, *flags])
+        result = main([*base, *flags])
         per = [f"{row(result, 'single-gpu-ft', quant=q)['host_ops_per_1000_tokens']:,.0f}" for q in ("none", "nf4")]
         assert re.search(rf"^\| {name}[^|]* \| {per[0]} \| {per[1]} \|$", devlog, re.M), (name, per)
     capsys.readouterr()
@@ -433,7 +438,7 @@ def test_the_single_gpu_devlog_states_the_planners_host_work_per_1000_tokens(cap
 
 def test_the_devlogs_host_tables_are_what_the_planner_gives():
     """devlogs/plan-cpu-check.md's two tables (the H100 runs against the planner, and its predictions) are
-    `assets/host_ops.py --tables` as the committed files and ftkit/plan.py give them today."""
+    `assets/host_ops.py --tables` as the committed files and ftkit/plan/ give them today."""
     import runpy
 
     tables = runpy.run_path(str(ROOT / "assets" / "host_ops.py"))["host_tables"]()

@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from conftest import run_script
 from torch.utils.flop_counter import FlopCounterMode
 
-from ftkit import memory, models, realscale
+from ftkit import activations, memory, models, realscale
+from ftkit.realscale import command, flops
 
 RUN = ("--technique", "fsdp", "--world", "2", "--layers", "2", "--json")
 # The count's attention against the convention's at the default 2048 tokens (test_flops_counted_against_the_convention).
@@ -45,7 +46,7 @@ def test_causal_attention_is_counted_for_the_pairs_its_mask_keeps():
     own formulas count all s x s; is_causal=False keeps them all. Run on the CPU's SDPA (forward and backward),
     and for every backend's op (flash, memory-efficient, cuDNN) through its formula."""
     b, h, s, d = 1, 2, 8, 4
-    formulas = realscale.causal_sdpa_formulas()
+    formulas = flops.causal_sdpa_formulas()
     for causal, pairs in ((True, s * (s + 1) // 2), (False, s * s)):
         q, k, v = (torch.randn(b, h, s, d, requires_grad=True) for _ in range(3))
         with FlopCounterMode(display=False, custom_mapping=formulas) as counter:
@@ -83,7 +84,7 @@ def test_the_run_is_the_scripts_configuration(fsdp_world2):
 def test_fewer_micro_steps_reach_the_same_peak(fsdp_world2):
     """--micro-steps runs 2 of the 4 accumulation micro-steps: after the first, each accumulates into the same
     gradients, so the peak is the whole step's, to the byte (it was not while the tracker's module hooks kept every
-    micro-step's embedding output alive: `realscale.no_tracker_graph_leak`)."""
+    micro-step's embedding output alive: `realscale.trackers.no_tracker_graph_leak`)."""
     proc = run_script("-m", "ftkit.realscale", *RUN, "--micro-steps", "2", timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     fewer = json.loads(proc.stdout)
@@ -109,7 +110,7 @@ def test_one_decoder_layer_saves_what_the_model_derives_to_the_byte():
     one_layer = runs[2]["categories"]["Activation"] - runs[1]["categories"]["Activation"]
     shape = memory.QWEN3_4B
     tokens = 2 * 2048
-    assert one_layer == tokens * sum(memory.layer_activation_bytes(shape, act_bytes=2, lora_dropout=0.05))
+    assert one_layer == tokens * sum(activations.layer_activation_bytes(shape, act_bytes=2, lora_dropout=0.05))
     assert runs[2]["predicted"]["activations"] - runs[1]["predicted"]["activations"] == one_layer
 
 
@@ -407,5 +408,5 @@ def test_pp_last_stage_runs_the_scripts_1f1b_schedule_and_loss():
     ],
 )
 def test_refusals_say_why(argv, message, capsys):
-    assert realscale.main(argv) == 2
+    assert command.main(argv) == 2
     assert message in capsys.readouterr().err

@@ -18,8 +18,9 @@ from peft import set_peft_model_state_dict
 from safetensors.torch import load_file
 
 from ftkit import batching, data, lora, models
+from ftkit.activations import layer_saved_bytes
 from ftkit.errors import RunError
-from ftkit.memory import ModelShape, layer_saved_bytes
+from ftkit.memory import ModelShape
 from ftkit.ranks import check_tp_degree
 
 TP_TRAIN, TP_INFER = "experiments/tp-ft/train.py", "experiments/tp-ft/infer.py"
@@ -284,7 +285,7 @@ def test_sequence_parallel_divides_the_norm_activations_by_the_tp_degree(sp, meg
     for m in (sp_m, tp_m):
         assert m["norms"] == m["tokens"] * 2 * 4 * (h + 1)
     assert tp_m["layer"] - sp_m["layer"] == tp_m["norms"] - sp_m["norms"]
-    # The memory model's layer (ftkit/memory.py, layer_saved_bytes, which predict() counts) saves less under SP by
+    # The memory model's layer (ftkit/activations.py's layer_saved_bytes, which predict() counts) saves less under SP by
     # the same bytes: the norms' part alone, the gathered inputs the LoRA A's save kept whole. (Megatron-LM's SP,
     # saving the local shard and gathering it again in backward, would save less by the whole hidden part.)
     shape, tokens = ModelShape.from_config(models.TINY_CONFIG), tp_m["tokens"]

@@ -1,0 +1,151 @@
+"""Which technique for this job on these GPUs: predicted memory per GPU, step time and tokens/s for every
+experiment and mesh shape the GPUs allow, and a recommendation with its reason: the command. What it computes, and
+from what: the package's docstring (ftkit/plan/__init__.py).
+
+    uv run python -m ftkit.plan --model Qwen/Qwen3-4B --gpus 2 --gpu rtx4090 --link pcie4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from ftkit import errors, hardware, models
+from ftkit.memory import GIB
+from ftkit.plan.hosts import ASSUMED_MFU, HOSTS
+from ftkit.plan.layouts import LAYOUTS
+from ftkit.plan.recommendation import label, mesh_label, plan
+from ftkit.plan.settings import QWEN3_CONFIGS, Setting, model_config
+
+
+def print_table(result: dict, model: str) -> None:
+    st, a = result["setting"], result["assumptions"]
+    print(
+        f"{model}: {st['gpus']} x {st['gpu']} ({st['memory_bytes'] / GIB:.0f} GiB) on {st['nodes']} node(s), "
+        f"link {st['link']}" + (f", across nodes {st['inter_node_link']}" if st["inter_node_link"] else "")
+    )
+    notes = result.get("prediction")
+    gpu = f"MFU {a['mfu']:.0%}" if notes is None else f"GPU kernels at {a['mfu']:.1%} of the peak (below)"
+    print(
+        f"global batch {st['batch_size']} x {st['max_length']} tokens, micro-batch {st['micro_batch_size']}, LoRA "
+        f"r{st['lora_rank']}, checkpointing {'on' if st['grad_checkpointing'] else 'off'}; assumed: {gpu}, links at "
+        f"{a['link_efficiency']:.0%} of their bandwidth, memory x{a['memory_margin']} "
+        f"+ {a['reserve_bytes'] / GIB:.1f} GiB"
+    )
+    for note in notes or []:
+        print(f"  {note}")
+    host = "" if notes is None else f" {'host s':>7} {'mb/step':>7}"
+    print(f"{'experiment':<30} {'mesh':<14} {'quant':<5} {'need GiB':>8} {'fits':<4} {'compute s':>9} "
+          f"{'comm s':>7} {'bubble s':>8}{host} {'step s':>7} {'tokens/s':>9}")  # fmt: skip
+    for r in result["techniques"]:
+        mesh = mesh_label(r["mesh"])
+        if "refused" in r:
+            print(f"{r['experiment']:<30} {mesh:<14} {r['quant']:<5} refused: {r['refused']}")
+            continue
+        host = "" if notes is None else f" {r['host_s']:7.3f} {r['micro_batches']:7g}"
+        print(
+            f"{r['experiment']:<30} {mesh:<14} {r['quant']:<5} {r['required_bytes'] / GIB:8.1f} "
+            f"{'yes' if r['fits'] else 'no':<4} {r['compute_s']:9.3f} {r['exposed_comm_s']:7.3f} "
+            f"{r['bubble_s']:8.3f}{host} {r['step_time_s']:7.3f} {r['tokens_per_s']:9,.0f}"
+        )
+    rec = result["recommendation"]
+    print(f"recommendation: {label(rec) if rec['technique'] else 'none'}: {rec['reason']}")
+
+
+def parser() -> argparse.ArgumentParser:
+    # the command as it is run (argparse would name it after this file, __main__.py)
+    p = argparse.ArgumentParser(prog="python -m ftkit.plan", description=__doc__.splitlines()[0])
+    p.add_argument("--model", default=models.QWEN3_4B, help=f"{', '.join(QWEN3_CONFIGS)}, or a config's path")
+    p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpu", default="h100-sxm", choices=[g.key for g in hardware.GPUS])
+    p.add_argument("--gpu-memory-gib", type=float, default=None, help="[the GPU's datasheet memory]")
+    p.add_argument("--link", default="nvlink4", choices=list(hardware.LINKS), help="between the GPUs of a node")
+    p.add_argument("--inter-node-link", default="ib-ndr", choices=list(hardware.LINKS))
+    p.add_argument("--batch-size", type=int, default=16, help="global batch, sequences")
+    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--max-length", type=int, default=2048)
+    p.add_argument("--answer-tokens", type=int, default=256, help="positions the lm_head runs on, per sequence")
+    p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-dropout", type=float, default=0.05)
+    p.add_argument("--no-grad-checkpointing", dest="grad_checkpointing", action="store_false")
+    p.add_argument(
+        "--mfu",
+        type=float,
+        default=None,
+        help="the GPU kernels' fraction of the dense bf16 peak while the GPU computes [--host's calibration; "
+        f"without --host, {ASSUMED_MFU}, assumed]",
+    )
+    p.add_argument(
+        "--layout",
+        choices=LAYOUTS,
+        default="full",
+        help="full: every row --max-length real tokens (the GPU-only model's upper bound); padded: the AMI training "
+        "examples one per row, right-padded per micro-batch (--no-packing); packed: packed into rows of up to "
+        "--max-length, each micro-batch as wide as its fullest row (the scripts' default); masked: padded with the "
+        "padding mask passed (the committed H100 runs)",
+    )
+    p.add_argument("--compile", action="store_true", help="the decoder layers compiled (the host's count a prediction)")
+    p.add_argument(
+        "--host",
+        choices=list(HOSTS),
+        default=None,
+        help="model the host's cost per micro-batch, calibrated on the committed H100 runs' host [not modelled]",
+    )
+    p.add_argument("--host-op-us", type=float, default=None, help="microseconds per host op [--host's calibration]")
+    p.add_argument("--seed", type=int, default=0, help="the global batches' seed, for the AMI layouts")
+    p.add_argument("--link-efficiency", type=float, default=0.8, help="assumed fraction of a link's bandwidth")
+    p.add_argument("--reserve-gib", type=float, default=1.0, help="CUDA context and NCCL buffers, assumed")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def setting_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> Setting:
+    """The Setting the flags give; a combination the planner cannot predict is the parser's error (exit code 2)."""
+    if args.compile and args.layout in ("padded", "masked"):
+        p.error(
+            "--compile: assets/host_ops.py counts the compiled layers' launches on packed rows: --layout packed or full"
+        )
+    if args.compile and args.host and not args.grad_checkpointing:
+        p.error("--compile --host: the compiled layers' launches are counted with checkpointing on only")
+    if args.gpus < 1 or args.nodes < 1 or args.gpus % args.nodes:
+        p.error(f"--gpus {args.gpus} must be a positive multiple of --nodes {args.nodes} (GPUs per node alike)")
+    gpu = hardware.gpu(args.gpu)
+    try:
+        config = model_config(args.model)
+    except errors.ModelError as e:
+        p.error(str(e))  # one line and exit code 2, as a bad flag
+    return Setting(
+        config=config,
+        gpu=gpu,
+        gpus=args.gpus,
+        nodes=args.nodes,
+        link=hardware.LINKS[args.link],
+        inter_node_link=hardware.LINKS[args.inter_node_link],
+        memory_bytes=args.gpu_memory_gib * GIB if args.gpu_memory_gib else gpu.memory_bytes,
+        reserve_bytes=args.reserve_gib * GIB,
+        **{k: getattr(args, k) for k in ("batch_size", "micro_batch_size", "max_length", "answer_tokens")},
+        **{k: getattr(args, k) for k in ("lora_rank", "lora_dropout", "grad_checkpointing", "mfu")},
+        link_efficiency=args.link_efficiency,
+        layout=args.layout,
+        compile=args.compile,
+        host=args.host,
+        host_op_s=None if args.host_op_us is None else args.host_op_us * 1e-6,
+        seed=args.seed,
+    )
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = parser()
+    args = p.parse_args(argv)
+    setting = setting_from(p, args)
+    result = {"model": args.model, **plan(setting)}
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_table(result, args.model)
+    return result
+
+
+if __name__ == "__main__":
+    main()

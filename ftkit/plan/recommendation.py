@@ -1,0 +1,148 @@
+"""The planner's answer for a setting: every experiment's row, the recommendation with its reason, and what a
+prediction assumes, in words."""
+
+from __future__ import annotations
+
+from ftkit.memory import GIB
+from ftkit.plan.hosts import HOSTS, NF4_PASS_S, host_calibration, ops_source
+from ftkit.plan.settings import Setting
+from ftkit.plan.techniques import EXPERIMENTS, MEMORY_MARGIN, candidates, evaluate
+
+# At predicted speeds within NEAR of the fastest, the simpler technique is recommended: the list's order.
+SIMPLER_FIRST = list(EXPERIMENTS)
+NEAR = 0.97
+
+
+def mesh_label(mesh: dict[str, int]) -> str:
+    return " x ".join(f"{k}{v}" for k, v in mesh.items()) or "1 GPU"
+
+
+def label(row: dict) -> str:
+    # The flag to pass: single-gpu-ft and ddp-ft default to --quant nf4, fsdp-ft to none (the others have no flag).
+    default_nf4 = row["technique"] in ("single", "ddp")
+    quant = " --quant nf4" if row["quant"] == "nf4" else " --quant none" if default_nf4 else ""
+    return f"{row['experiment']}{quant} ({mesh_label(row['mesh'])})"
+
+
+def recommend(rows: list[dict], s: Setting) -> dict:
+    fitting = [r for r in rows if r.get("fits")]
+    if not fitting:
+        least = min((r for r in rows if "required_bytes" in r), key=lambda r: r["required_bytes"])
+        return {
+            "technique": None,
+            "mesh": None,
+            "quant": None,
+            "reason": f"nothing fits in {s.memory_bytes / GIB:.0f} GiB: the least, {label(least)}, needs "
+            f"{least['required_bytes'] / GIB:.1f} GiB; lower "
+            "--max-length or --micro-batch-size, or add GPUs",
+        }
+    best = max(fitting, key=lambda r: r["tokens_per_s"])
+    near = [r for r in fitting if r["tokens_per_s"] >= NEAR * best["tokens_per_s"]]
+    pick = min(near, key=lambda r: (SIMPLER_FIRST.index(r["technique"]), r["quant"] == "nf4"))
+    reason = (
+        f"fits ({pick['required_bytes'] / GIB:.1f} of {s.memory_bytes / GIB:.0f} GiB with the margin); predicted "
+        f"{pick['tokens_per_s']:,.0f} tokens/s"
+    )
+    if pick is not best:
+        behind = 1 - pick["tokens_per_s"] / best["tokens_per_s"]
+        reason += f", {behind:.1%} behind the fastest, {label(best)}, and simpler"
+    else:
+        runner_up = max((r for r in fitting if r is not best), key=lambda r: r["tokens_per_s"], default=None)
+        if runner_up:
+            ahead = best["tokens_per_s"] / runner_up["tokens_per_s"] - 1
+            reason += f", {ahead:.1%} ahead of the next, {label(runner_up)}"
+    limits = sorted((r for r in rows if r.get("refused") is None and not r["fits"]), key=lambda r: r["experiment"])
+    if limits:
+        reason += "; does not fit: " + ", ".join(label(r) for r in limits)
+    return {
+        "technique": pick["technique"],
+        "experiment": pick["experiment"],
+        "mesh": pick["mesh"],
+        "quant": pick["quant"],
+        "reason": reason,
+    }
+
+
+def plan(s: Setting) -> dict:
+    rows = [evaluate(s, *c) for c in candidates(s)]
+    op_s, mfu = host_calibration(s)
+    result = {
+        "setting": {
+            "gpu": s.gpu.key,
+            "gpus": s.gpus,
+            "nodes": s.nodes,
+            "link": s.link.key,
+            "inter_node_link": s.inter_node_link.key if s.nodes > 1 else None,
+            "memory_bytes": s.memory_bytes,
+            **{k: getattr(s, k) for k in ("batch_size", "micro_batch_size", "max_length", "answer_tokens")},
+            **{k: getattr(s, k) for k in ("lora_rank", "lora_dropout", "grad_checkpointing")},
+        },
+        "assumptions": {
+            "mfu": mfu,
+            "link_efficiency": s.link_efficiency,
+            "memory_margin": MEMORY_MARGIN,
+            "reserve_bytes": s.reserve_bytes,
+            "gpu_source": s.gpu.source,
+            "link_source": s.link.source,
+        },
+        "techniques": rows,
+        "recommendation": recommend(rows, s),
+    }
+    if not s.legacy:
+        result["setting"].update(layout=s.layout, compile=s.compile, host=s.host, seed=s.seed)
+        result["assumptions"].update(host_op_s=op_s, nf4_pass_s=NF4_PASS_S if op_s else 0.0)
+        result["prediction"] = prediction_notes(s, rows)
+    return result
+
+
+def prediction_notes(s: Setting, rows: list[dict]) -> list[str]:
+    """What a prediction with the host or an AMI layout assumes, in words, each number's source named."""
+    op_s, mfu = host_calibration(s)
+    done = [r for r in rows if "refused" not in r]
+    steps = done[0]["steps_predicted"] if done else 0
+    notes = ["PREDICTED by ftkit.plan: a model, not a measurement"]
+    layout = {
+        "full": "every row --max-length real tokens (an upper bound on the work; no padding)",
+        "padded": "the AMI training examples (AMI_LENGTHS: the tiny tokenizer's counts) in the scripts' "
+        f"length-grouped global batches (seed {s.seed}), one example per row, each micro-batch right-padded to its "
+        "longest (--no-packing)",
+        "packed": f"the same global batches packed first-fit decreasing into rows of up to {s.max_length} (data.pack), "
+        f"{s.micro_batch_size} rows a micro-batch as wide as the fullest (data.packed_width), every rank the same "
+        "micro-steps; the attention kernel computes each whole row (SDPA with the block-diagonal mask)",
+        "masked": "padded as the scripts ran it until issue 30, the padding mask passed (the committed H100 runs)",
+    }[s.layout]
+    notes.append(f"layout: {layout}" + (f"; step time: the median of {steps} steps" if s.layout != "full" else ""))
+    if op_s:
+        compiled = (
+            "; the decoder layers compiled: the compiled graphs' kernels and extern ops, counted on a CPU's inductor "
+            "(C++ kernels standing in for CUDA's Triton ones: a prediction), each costing what an eager op does"
+            if s.compile
+            else ""
+        )
+        counts = {r["quant"]: r["host_ops_per_micro_batch"] for r in done if r["mesh"].get("pp", 1) == 1}
+        counts = ", ".join(f"{n:,} ({'NF4' if q == 'nf4' else 'bf16'})" for q, n in counts.items())
+        notes.append(
+            f"host: {counts} ops per micro-batch on a rank that holds every layer ({ops_source(s)} code, counted by "
+            f"assets/host_ops.py{compiled}) x {op_s * 1e6:.2f} us per op"
+            + (f" (calibrated: {HOSTS[s.host]['source']})" if s.host and s.host_op_s is None else " (--host-op-us)")
+        )
+        if any(r["quant"] == "nf4" for r in done):
+            notes.append(
+                f"host, NF4: {NF4_PASS_S * 1e6:.0f} us more per 4-bit linear pass (calibrated on the first H100 "
+                "session's QLoRA and LoRA runs; not attributed)"
+            )
+        notes.append(
+            "step: each micro-batch costs max(host, GPU) with the host running ahead of the GPU (`queue`); a rank's "
+            "host dispatches the ops of the layers it holds; DDP's, FSDP's and DTensor's own host work is not "
+            "counted (devlogs/plan-cpu-check.md: large for TP)"
+        )
+    else:
+        notes.append("host: not modelled (its cost 0; --host h100-vm models the committed H100 runs' host)")
+    source = "calibrated on the same profile, eager kernels" if s.host and s.mfu is None else "assumed (--mfu)"
+    if not s.host and s.mfu is None:
+        source = "assumed"
+    notes.append(
+        f"GPU: the FLOPs the kernels compute (padding and the recompute included) at {mfu:.1%} of the dense bf16 "
+        f"peak ({source})" + ("; compiled kernels taken as no faster than eager ones" if s.compile else "")
+    )
+    return notes

@@ -1,0 +1,113 @@
+"""The planner's input: the job (the model, its batches, its LoRA flags), the GPUs and their links, and how the host
+and the batch layout are modelled (`Setting`); the config keys of the Qwen3 models."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+from ftkit import hardware, models
+from ftkit.memory import GIB, ModelShape
+
+# Shapes of the Qwen3 models beyond the 4B one, from each model's config.json on the Hugging Face hub.
+QWEN3_CONFIGS = {
+    "Qwen/Qwen3-4B": models.QWEN3_4B_CONFIG,
+    "Qwen/Qwen3-8B": dict(
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_hidden_layers=36,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+    "Qwen/Qwen3-14B": dict(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_hidden_layers=40,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+    "Qwen/Qwen3-32B": dict(
+        hidden_size=5120,
+        intermediate_size=25600,
+        num_hidden_layers=64,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=151936,
+        tie_word_embeddings=False,
+    ),
+}
+
+
+@dataclass(frozen=True)
+class Setting:
+    config: SimpleNamespace  # the model's config keys (num_hidden_layers, ...)
+    gpu: hardware.GPU
+    gpus: int
+    nodes: int
+    link: hardware.Link
+    inter_node_link: hardware.Link
+    memory_bytes: float
+    batch_size: int = 16
+    micro_batch_size: int = 2
+    max_length: int = 2048
+    answer_tokens: int = 256
+    lora_rank: int = 16
+    lora_dropout: float = 0.05
+    grad_checkpointing: bool = True
+    mfu: float | None = None  # the GPU kernels' fraction of the dense bf16 peak [the host's calibration, or 0.4]
+    link_efficiency: float = 0.8
+    reserve_bytes: float = GIB
+    # The host and the batch layout (issue 30). The defaults are the GPU-only model at full-length rows.
+    layout: str = "full"  # full | padded | packed | masked: see LAYOUTS
+    compile: bool = False  # the decoder layers compiled (the host's count: COMPILED_OPS, a prediction)
+    host: str | None = None  # a calibrated host (HOSTS), or None: the host is not modelled (its cost 0)
+    host_op_s: float | None = None  # seconds per op on the host [the host's calibration]
+    seed: int = 0  # the global batches' seed (the scripts' --seed), for the AMI layouts
+    steps: int | None = None  # optimizer steps predicted with the AMI layouts [one epoch]
+    ops_source: str = "tree"  # whose op counts: "tree" (this code), "h100-session1" or "-session2" (the H100 runs')
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape.from_config(vars(self.config))
+
+    @property
+    def per_node(self) -> int:
+        return self.gpus // self.nodes
+
+    @property
+    def legacy(self) -> bool:
+        """The planner as it was before it modelled the host: no host, every row --max-length real tokens."""
+        return self.host is None and self.host_op_s is None and self.layout == "full" and not self.compile
+
+
+# The Setting fields a run records under the same names (config.json's and summary.json's "config").
+RUN_FLAGS = (
+    "batch_size",
+    "micro_batch_size",
+    "max_length",
+    "answer_tokens",
+    "lora_rank",
+    "lora_dropout",
+    "grad_checkpointing",
+    "seed",
+)
+
+
+def run_flags(config: dict) -> dict:
+    """A run's recorded configuration as Setting fields: those of RUN_FLAGS it has."""
+    return {k: config[k] for k in RUN_FLAGS if k in config}
+
+
+def model_config(name: str) -> SimpleNamespace:
+    """The config keys of a Qwen3 model: from the table above, else its config.json (hub id or local path)."""
+    if name in QWEN3_CONFIGS:
+        return SimpleNamespace(**QWEN3_CONFIGS[name])
+    cfg = models.model_config(name)
+    return SimpleNamespace(**{k: getattr(cfg, k) for k in QWEN3_CONFIGS["Qwen/Qwen3-8B"]})

@@ -1,0 +1,111 @@
+"""Every experiment and mesh shape the GPUs allow, and each one's row: the memory it needs (the memory model with the
+planner's margin), its step time and tokens/s, or why the experiment refuses the setting."""
+
+from __future__ import annotations
+
+import statistics
+
+from ftkit import batching, errors, ranks
+from ftkit.memory import predict
+from ftkit.plan.layouts import layout_steps
+from ftkit.plan.settings import Setting
+from ftkit.plan.timing import step_time
+
+# The memory model is within 2% of every peak tracked at Qwen3-4B's shape (devlogs/runs/realscale/), and the CUDA
+# peaks of the committed H100 runs are at most 1.046 x it (devlogs/single-gpu-ft.md): the margin leaves room for
+# what no run here measures (the allocator's fragmentation, other kernels' workspaces, padded batches' masks).
+# tests/test_plan.py fails when a tracked run exceeds it.
+MEMORY_MARGIN = 1.2
+EXPERIMENTS = {
+    "single": "single-gpu-ft",
+    "ddp": "ddp-ft",
+    "fsdp": "fsdp-ft",
+    "pp": "pp-ft",
+    "tp": "tp-ft",
+    "tp-sp": "tp-sp-ft",
+    "fsdp-tp": "fsdp-tp-ft",
+}
+
+
+def candidates(s: Setting) -> list[tuple[str, dict[str, int], str]]:
+    """(technique, mesh, quant) for every experiment the GPUs allow; the ones with a --quant flag both ways."""
+    out = [("single", {}, "nf4"), ("single", {}, "none")]
+    w = s.gpus
+    if w > 1:
+        out += [("ddp", {"dp": w}, "nf4"), ("ddp", {"dp": w}, "none")]
+        out += [("fsdp", {"dp": w}, "nf4"), ("fsdp", {"dp": w}, "none")]
+        out += [("pp", {"pp": w}, "none"), ("tp", {"tp": w}, "none"), ("tp-sp", {"tp": w}, "none")]
+        # TP inside a node, FSDP over the rest
+        tps = [t for t in range(2, s.per_node + 1) if s.per_node % t == 0 and w > t]
+        out += [("fsdp-tp", {"dp": w // t, "tp": t}, "none") for t in tps]
+    return out
+
+
+def memory_bytes(s: Setting, technique: str, mesh: dict[str, int], quant: str, accum: int) -> float:
+    """The memory model's bytes on the busiest GPU (`memory.predict`) for the experiment's configuration, `accum`
+    micro-batches a step."""
+    dp, tp, pp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1)
+    return predict(
+        s.shape,
+        technique={"fsdp-tp": "fsdp"}.get(technique, technique),
+        quant=quant,
+        world_size=dp * tp * pp,
+        tp=tp,
+        pp=pp,
+        lora_rank=s.lora_rank,
+        lora_dropout=s.lora_dropout,
+        logit_positions=s.answer_tokens,
+        micro_batch_size=s.micro_batch_size,
+        seq_len=s.max_length,
+        grad_checkpointing=s.grad_checkpointing,
+        num_microbatches=accum,
+        accumulation_steps=accum,
+    ).total
+
+
+def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> dict:
+    """One row: the memory and step-time prediction, or the reason the experiment refuses this setting (its own
+    error message where it has one). With the AMI layouts, the step time is the median over the layout's steps and
+    tokens/s their real tokens over their time."""
+    row = {"technique": technique, "experiment": EXPERIMENTS[technique], "mesh": mesh, "quant": quant}
+    shape, cfg = s.shape, s.config
+    dp, tp, pp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1)
+    used = dp * tp * pp
+    try:
+        if tp > 1:
+            ranks.check_tp_degree(cfg, tp)
+        if shape.layers % pp:
+            raise ValueError(f"{pp} pipeline stages do not divide the model's {shape.layers} layers evenly")
+        accum = batching.accumulation_steps(s.batch_size, s.micro_batch_size, dp)
+    except (ValueError, errors.RunError, errors.DataError) as e:
+        return {**row, "refused": str(e)}
+    memory = memory_bytes(s, technique, mesh, quant, accum)
+    required = memory * MEMORY_MARGIN + s.reserve_bytes
+    try:
+        steps = [step_time(s, technique, mesh, quant, step) for step in layout_steps(s, dp)]
+    except ValueError as e:  # no op count for this setting's host (host_ops_per_micro says which)
+        return {**row, "refused": str(e)}
+    out = {
+        **row,
+        "gpus_used": used,
+        "memory_bytes": memory,
+        "required_bytes": required,
+        "fits": required <= s.memory_bytes,
+        **{k: statistics.median(p[k] for p in steps) for k in ("compute_s", "exposed_comm_s", "bubble_s")},
+        "step_time_s": statistics.median(p["step_time_s"] for p in steps),
+        "tokens_per_s": sum(p["tokens"] for p in steps) / sum(p["step_time_s"] for p in steps),
+    }
+    if s.legacy:
+        return out
+    positions = sum(p["positions"] for p in steps)
+    return {
+        **out,
+        "host_s": statistics.median(p["host_s"] for p in steps),
+        "host_ops_per_micro_batch": steps[0]["host_ops_per_micro_batch"],
+        # the host's work per unit of real data: ops dispatched (eager) or launched (compiled), all ranks
+        "host_ops_per_1000_tokens": 1000 * sum(p["host_ops"] for p in steps) / sum(p["tokens"] for p in steps),
+        "micro_batches": statistics.median(len(p["micros"]) for p in steps),
+        "padding_fraction": 1 - sum(p["tokens"] for p in steps) / positions,
+        "bound": "host" if out["step_time_s"] > 1.0001 * statistics.median(p["gpu_side_s"] for p in steps) else "GPU",
+        "steps_predicted": len(steps),
+    }

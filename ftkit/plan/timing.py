@@ -1,0 +1,169 @@
+"""One optimizer step's time on rank 0: its micro-batches' GPU and host time through the queue (the host running
+ahead of the GPU), plus the communication the technique cannot hide (ring collectives, alpha-beta) and the pipeline's
+bubble."""
+
+from __future__ import annotations
+
+from ftkit import comm, hardware, metrics
+from ftkit.activations import ROW_PARALLEL
+from ftkit.memory import NF4_BYTES_PER_PARAM, NF4_PACKED_BYTES, lora_params
+from ftkit.plan.hosts import (
+    H100_OPS_PER_STEP,
+    HOST_OPS_PER_STEP,
+    NF4_PASS_S,
+    PROFILE_RESIDUAL_PER_STEP,
+    host_calibration,
+    host_ops_per_micro,
+    ops_source,
+)
+from ftkit.plan.layouts import Micro, Step
+from ftkit.plan.settings import Setting
+
+BF16, FP32 = 2, 4
+
+
+def queue(host: list[float], gpu: list[float], host_after: float = 0.0) -> float:
+    """Seconds from the first op to the step's end, the host running ahead of the GPU: micro-batch i's kernels run
+    once the GPU is free and cannot end before the host has issued them (its ops interleave with its kernels), and
+    the step ends when the GPU is done and the host has issued the step's own ops (`host_after`). With a host of cost
+    0 this is the GPU's time; with a slow one, the host's."""
+    host_t = gpu_t = 0.0
+    for h, g in zip(host, gpu):
+        host_t += h
+        gpu_t = max(gpu_t + g, host_t)
+    return max(gpu_t, host_t + host_after)
+
+
+def collective_s(kind: str, size: float, n: int, link: hardware.Link, efficiency: float) -> float:
+    """Seconds for one ring collective on a `size`-byte buffer over n GPUs: wire bytes at the achievable
+    bandwidth, plus one latency per ring step (2(n-1) for an all-reduce, n-1 for either half)."""
+    if n == 1:
+        return 0.0
+    steps = 2 * (n - 1) if kind == "all_reduce" else n - 1
+    return comm.ring_wire_bytes(kind, size, n) / (link.bytes_per_s * efficiency) + steps * link.latency_s
+
+
+def micro_flops(s: Setting, m: Micro) -> float:
+    """FLOPs the kernels compute for one micro-batch: the MFU convention's (`metrics.step_flops`) over every position
+    of its rows, padding included (attention over each row's whole width), the lm_head at its answer positions (at
+    every position with the "full" layout, as the planner counted before issue 30), and the layers' forward again
+    where checkpointing recomputes it."""
+    shape, cfg = s.shape, s.config
+    n_lora = lora_params(shape, s.lora_rank)
+    flops = metrics.step_flops([m.width] * m.rows, cfg, n_lora, None if s.layout == "full" else m.answers)
+    if s.grad_checkpointing:  # the layers' forward again: 2 FLOPs per layer weight and adapter weight, attention
+        d = shape.heads * shape.head_dim
+        layer_matmul = metrics.matmul_params(cfg) - shape.vocab * shape.hidden
+        flops += m.rows * m.width * (2 * layer_matmul + 2 * n_lora + 2 * shape.layers * d * m.width)
+    return flops
+
+
+def gpu_times(s: Setting, quant: str, step: Step, tp: int, pp: int, passes: int) -> list[float]:
+    """Each micro-batch's GPU time on this rank: the FLOPs its kernels compute split over TP and PP, at mfu of the
+    dense bf16 peak, and NF4's dequantization of every layer's weights on every pass, at the HBM's datasheet
+    bandwidth."""
+    shape = s.shape
+    mfu = host_calibration(s)[1]
+    gpu = []
+    for m in step.micros:
+        g = micro_flops(s, m) / (tp * pp * s.gpu.bf16_flops * mfu)
+        if quant == "nf4":
+            weights = shape.layers * shape.linear_params() / tp / pp
+            g += passes * weights * (NF4_BYTES_PER_PARAM + BF16) / s.gpu.hbm_bytes_per_s
+        gpu.append(g)
+    return gpu
+
+
+def host_costs(s: Setting, quant: str, layers: int, passes: int) -> tuple[int, float, int]:
+    """The host, on a rank that holds `layers`: (ops per micro-batch, seconds per micro-batch, the step's own ops).
+    Ops per micro-batch (of the layers this rank holds) x seconds per op, plus bitsandbytes' calls."""
+    op_s = host_calibration(s)[0]
+    ops = host_ops_per_micro(s, quant, layers) if op_s else 0
+    host_micro = ops * op_s
+    if quant == "nf4" and op_s:
+        host_micro += NF4_PASS_S * passes * 7 * layers
+    if not op_s:
+        step_ops = 0
+    elif ops_source(s) == "tree":
+        step_ops = HOST_OPS_PER_STEP[0] + HOST_OPS_PER_STEP[1] * layers + PROFILE_RESIDUAL_PER_STEP
+    else:
+        step_ops = H100_OPS_PER_STEP[ops_source(s)]
+    return ops, host_micro, step_ops
+
+
+def exposed_comm(
+    s: Setting, technique: str, mesh: dict[str, int], quant: str, step: Step, busy: float
+) -> tuple[float, float]:
+    """What the technique cannot hide, in a step whose micro-batches keep the GPU `busy` seconds: (the exposed
+    communication, the pipeline's bubble)."""
+    shape = s.shape
+    dp, tp, pp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1)
+    n_lora = lora_params(shape, s.lora_rank)
+    accum = len(step.micros)
+    micro = busy / accum  # one micro-batch's share, the window the overlapped collectives have
+    # TP is the innermost mesh dimension (neighbouring ranks, one node); any other group spans the GPUs used.
+    spans_nodes = dp * tp * pp > s.per_node
+
+    def coll(kind: str, size: float, n: int, inside_node: bool = False) -> float:
+        link = s.inter_node_link if spans_nodes and not inside_node else s.link
+        return collective_s(kind, size, n, link, s.link_efficiency)
+
+    activations = [m.rows * m.width * shape.hidden * BF16 for m in step.micros]
+    exposed = bubble = 0.0
+    if technique == "ddp":
+        exposed = max(0.0, coll("all_reduce", FP32 * n_lora, dp) - micro / 2)
+    if technique in ("fsdp", "fsdp-tp"):
+        # a 4-bit layer is gathered as its packed codes, 0.5 B per weight (its constants are resident on every rank)
+        linear_bytes = NF4_PACKED_BYTES if quant == "nf4" else BF16
+        layer_bytes = shape.linear_params() / tp * linear_bytes + shape.norm_params() * BF16
+        gathers = coll("all_gather", 2 * shape.layers * layer_bytes + shape.embedding_params() * BF16, dp)
+        exposed = accum * (max(0.0, gathers - micro) + gathers / (2 * shape.layers))
+        exposed += max(0.0, coll("reduce_scatter", FP32 * n_lora / tp, dp) - micro / 2)
+    if technique in ("tp", "fsdp-tp"):
+        per_layer = 9 if s.grad_checkpointing else 7
+        exposed += sum(shape.layers * per_layer * coll("all_reduce", a, tp, inside_node=True) for a in activations)
+    if technique == "tp-sp":
+        per_layer = 5.5 if s.grad_checkpointing else 4  # in pairs: the recompute adds three halves
+        replicated = (
+            shape.layers
+            * s.lora_rank
+            * sum(n_out if name in ROW_PARALLEL else n_in for name, (n_in, n_out) in shape.linears().items())
+        )
+        exposed = sum(
+            shape.layers * per_layer * (coll("all_gather", a, tp, True) + coll("reduce_scatter", a, tp, True))
+            for a in activations
+        )
+        exposed += coll("all_reduce", FP32 * replicated, tp, True)
+    if technique == "pp":
+        bubble = (pp - 1) / accum * busy
+        hop = s.inter_node_link if spans_nodes else s.link
+        exposed = 2 * (pp - 1) * (activations[0] / (hop.bytes_per_s * s.link_efficiency) + hop.latency_s)
+    return exposed, bubble
+
+
+def step_time(s: Setting, technique: str, mesh: dict[str, int], quant: str, step: Step) -> dict:
+    """One optimizer step on rank 0: its micro-batches' GPU and host time through the queue, plus the communication
+    the technique cannot hide and the pipeline's bubble."""
+    dp, tp, pp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1)
+    op_s = host_calibration(s)[0]
+    passes = 3 if s.grad_checkpointing else 2  # forward, (recompute,) backward
+    gpu = gpu_times(s, quant, step, tp, pp, passes)
+    compute = sum(gpu)
+    ops, host_micro, step_ops = host_costs(s, quant, s.shape.layers // pp, passes)
+    busy = queue([host_micro] * len(gpu), gpu, step_ops * op_s)  # == compute when the host costs nothing
+    accum = len(gpu)
+    exposed, bubble = exposed_comm(s, technique, mesh, quant, step, busy)
+    step_s = busy + exposed + bubble
+    return {
+        "micros": step.micros,
+        "tokens": step.tokens,
+        "positions": step.positions,
+        "compute_s": compute,
+        "host_s": host_micro * accum + step_ops * op_s,
+        "host_ops_per_micro_batch": ops,
+        "host_ops": (ops * accum + step_ops) * dp * tp * pp,  # every rank's, this step
+        "gpu_side_s": compute + exposed + bubble,
+        "exposed_comm_s": exposed,
+        "bubble_s": bubble,
+        "step_time_s": step_s,
+    }
