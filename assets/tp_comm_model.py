@@ -24,7 +24,7 @@ import argparse
 from ftkit import hardware
 from ftkit.comm import ring_wire_bytes
 from ftkit.memory import QWEN3_4B
-from ftkit.plan import settings
+from ftkit.plan import hosts, settings
 
 BF16 = 2
 LINKS = {"PCIe 4.0 x16": hardware.LINKS["pcie4"], "NVLink 4": hardware.LINKS["nvlink4"]}
@@ -42,14 +42,14 @@ def main() -> None:
         s.layers * 4 * (ring_wire_bytes("all_gather", activation, n) + ring_wire_bytes("reduce_scatter", activation, n))
     )
     fsdp = 2 * ring_wire_bytes("all_gather", s.n_params() * BF16, n)
-    compute = 4 * s.n_params() * args.tokens / (settings.Setting.mfu * hardware.gpu("h100-sxm").bf16_flops)
+    compute = 4 * s.n_params() * args.tokens / (hosts.ASSUMED_MFU * hardware.gpu("h100-sxm").bf16_flops)
     per_token_tp = s.layers * 4 * ring_wire_bytes("all_reduce", s.hidden * BF16, n)
     print(f"Qwen3-4B, {n} GPUs, {args.tokens} tokens per micro-batch, bf16; bytes sent per GPU per micro-batch")
     print(f"  TP (all-reduce)         {tp / 1e9:8.3f} GB")
     print(f"  TP+SP (AG + RS)         {sp / 1e9:8.3f} GB")
     print(f"  FSDP (weights, fwd+bwd) {fsdp / 1e9:8.3f} GB")
     print(f"  break-even: TP sends less than FSDP below {fsdp / per_token_tp:,.0f} tokens per micro-batch")
-    print(f"  compute at {settings.Setting.mfu:.0%} MFU on an H100 SXM: {compute * 1e3:.0f} ms")
+    print(f"  compute at {hosts.ASSUMED_MFU:.0%} MFU on an H100 SXM: {compute * 1e3:.0f} ms")
     for name, link in LINKS.items():
         bw = link.bytes_per_s * settings.Setting.link_efficiency
         print(

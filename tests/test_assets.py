@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import runpy
 import sys
 
@@ -92,6 +93,25 @@ def test_the_ddp_posts_link_table_is_the_models(capsys):
     table = capsys.readouterr().out.split("\n\n")[0].strip()
     assert "PCIe Gen4 x16, 31.5 GB/s" in table
     assert table in (ROOT / "blogs" / "ddp.md").read_text()
+
+
+def test_the_tp_sp_posts_bytes_table_is_the_models(capsys, monkeypatch):
+    """blogs/tp-sp.md's bytes and link times per micro-batch are what assets/tp_comm_model.py prints (its compute
+    line uses the planner's assumed MFU)."""
+    monkeypatch.setattr(sys, "argv", ["tp_comm_model.py"])
+    runpy.run_path(str(ROOT / "assets" / "tp_comm_model.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    gb = dict(re.findall(r"^  (TP \(all-reduce\)|FSDP \(weights, fwd\+bwd\)) +([\d.]+) GB$", out, re.M))
+    pcie = re.search(r"^  PCIe 4.0 x16 .* TP/TP\+SP +([\d.]+) ms .* FSDP +([\d.]+) ms$", out, re.M).groups()
+    nvlink = re.search(r"^  NVLink 4 .* TP/TP\+SP +([\d.]+) ms .* FSDP +([\d.]+) ms$", out, re.M).groups()
+    tp_row = (
+        f"| {float(gb['TP (all-reduce)']):.2f} GB | {float(pcie[0]):.0f} ms, on the critical path | {nvlink[0]} ms |"
+    )
+    fsdp_row = (
+        f"| {float(gb['FSDP (weights, fwd+bwd)']):.2f} GB | {float(pcie[1]):.0f} ms, prefetchable | {nvlink[1]} ms |"
+    )
+    post = (ROOT / "blogs" / "tp-sp.md").read_text()
+    assert tp_row in post and fsdp_row in post
 
 
 def test_each_decoder_layer_costs_on_the_h100_what_the_memory_model_says():
