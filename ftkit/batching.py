@@ -13,14 +13,6 @@ import torch
 from ftkit.data import IGNORE_INDEX, Encoded
 from ftkit.errors import DataError
 
-
-def global_batches(args: argparse.Namespace, train_set: list):
-    """The run's global batches (`batching.GlobalBatches`, a function of --seed and the step): packed into rows of
-    --max-length, or one padded example per row with --no-packing."""
-
-    return GlobalBatches(train_set, args.batch_size, args.seed, pack_to=args.max_length if args.packing else None)
-
-
 # A packed micro-batch is as wide as its fullest row rounded up to a multiple of this (at most --max-length): the
 # last rows of a step are part-filled, and a fixed --max-length width made ~18% of the positions padding at the
 # reference configuration (devlogs/runs/data/packing-layout.json). A multiple of 64 keeps matmul shapes aligned.
@@ -294,3 +286,10 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=IGNORE_INDEX, reduction="sum"
     )
+
+
+def global_batches(args: argparse.Namespace, train_set: list):
+    """The run's global batches (`batching.GlobalBatches`, a function of --seed and the step): packed into rows of
+    --max-length, or one padded example per row with --no-packing."""
+
+    return GlobalBatches(train_set, args.batch_size, args.seed, pack_to=args.max_length if args.packing else None)

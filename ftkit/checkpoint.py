@@ -30,7 +30,7 @@ def latest(run_dir: Path) -> Path | None:
 
 
 def staging_dir(run_dir: Path, step: int) -> Path:
-    """A fresh folder to write checkpoint `step` into; `commit_checkpoint` moves it into place, so a crash
+    """A fresh folder to write checkpoint `step` into; `commit` moves it into place, so a crash
     mid-save never leaves a half-written checkpoint that --resume would pick."""
     path = run_dir / "checkpoints" / f".tmp-step-{step}"
     shutil.rmtree(path, ignore_errors=True)
@@ -76,7 +76,7 @@ def save_sharded(run_dir: Path, step: int, model, optimizer, scheduler, args: ar
 
 
 def load_sharded(ckpt: Path | None, model, optimizer, scheduler, any_world: bool = False) -> int:
-    """Resume from a `save_sharded_checkpoint` folder: each rank reads its own pieces, the scheduler and its RNG
+    """Resume from a `save_sharded` folder: each rank reads its own pieces, the scheduler and its RNG
     stream; the step it holds. With `any_world` (FSDP) the ranks may be more or fewer than the ones that wrote it:
     torch.distributed.checkpoint stores each tensor with its global offsets and reads back whatever pieces the
     new sharding asks for (see `restore_rng` for what then differs). `ckpt` None (a fresh run): step 0."""
@@ -114,7 +114,7 @@ def save_per_rank(
     """Checkpoint `step` of a run whose ranks each hold their own part of the adapter as plain tensors (hand-rolled
     tensor parallelism's slices, a pipeline's stages): every rank writes its trainable parameters (by name), its
     optimizer state and its RNG stream to rank<r>.pt; once all have written, rank 0 adds the scheduler and commits
-    the folder, with `state` in its trainer_state.json (as `save_sharded_checkpoint`). A collective."""
+    the folder, with `state` in its trainer_state.json (as `save_sharded`). A collective."""
     import torch.distributed as dist
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -133,7 +133,7 @@ def save_per_rank(
 
 
 def load_per_rank(ckpt: Path | None, params: dict, optimizer, scheduler) -> int:
-    """Resume from a `save_rank_checkpoint` folder: this rank's parameters, optimizer state and RNG stream, the
+    """Resume from a `save_per_rank` folder: this rank's parameters, optimizer state and RNG stream, the
     scheduler; the step it holds. The same world size only: each rank's file holds its own part of the adapter.
     `ckpt` None (a fresh run): step 0."""
     import torch.distributed as dist

@@ -259,7 +259,7 @@ def dump_logits(
     model, batch: dict, device: torch.device, path: Path, rank: int, dtype: torch.dtype = torch.float32
 ) -> None:
     """The logits of one batch, whole, to `path` on rank 0 (every rank runs the forward): for a test to compare
-    a sharded model with the reassembled adapter on one device. dtype: as in `eval_loss_sums`."""
+    a sharded model with the reassembled adapter on one device. dtype: as in `evaluation.loss_sums`."""
     from ftkit.batching import to_device
     from ftkit.lora import compute_autocast
 

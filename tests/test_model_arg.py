@@ -168,7 +168,7 @@ def test_an_uncached_hub_model_offline_is_refused_by_the_real_hub_client(tmp_pat
     [
         "experiments/ddp-ft/train.py",
         "experiments/fsdp-ft/train.py",
-        "experiments/tp-ft/train.py",  # run.start_ranks
+        "experiments/tp-ft/train.py",  # prepare.start_ranks
         "experiments/pp-ft/train.py",  # reads the model's config first, for its stage layout
         "experiments/fsdp-tp-ft/train.py",
     ],
