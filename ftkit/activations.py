@@ -9,14 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from ftkit.lora import LORA_TARGETS
+from ftkit.lora import LORA_TARGETS, ROW_PARALLEL
 
 if TYPE_CHECKING:
     from ftkit.memory import ModelShape
 
 FP32 = 4
-# Row-parallel under Megatron TP (input dim sharded); the other five are column-parallel (output dim sharded).
-ROW_PARALLEL = ("o_proj", "down_proj")
 # The tensor each projection reads: q/k/v read the attention norm's output, o_proj the SDPA output, ...
 LINEAR_INPUT = {
     "q_proj": "attn_norm_out",

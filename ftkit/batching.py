@@ -268,6 +268,29 @@ def pad_to_multiple(mb: dict, multiple: int) -> dict:
     return {k: torch.nn.functional.pad(v, (0, extra), value=fill[k]) if k in fill else v for k, v in mb.items()}
 
 
+# Why pp-ft lays its batches out padded (`cli.padded_only` says it once, and its summary keeps it).
+PIPELINE_PADDED_WHY = (
+    "pp-ft runs padded batches (one example per row), not packed ones: its schedule is built for a fixed number of "
+    "micro-batches per step, and a packed step has as many as its rows need"
+)
+
+
+def collate_pipeline(items: Sequence[Encoded], width: int, rows: int | None = None) -> dict:
+    """A pipeline's batch (experiments/pp-ft), which the schedule cuts into its micro-batches along dim 0: the
+    input ids right-padded to `width` (--max-length), the one shape its stages are built for, and a `target` that
+    packs, per row, the positions whose logits the loss needs and the tokens they predict ([rows, 2, k]), so that
+    the schedule cuts both with the inputs. `rows`: filled up to that many rows with copies of the last item that
+    have no target tokens (the eval's last group)."""
+    n = len(items)
+    mb = collate(list(items) + [items[-1]] * ((rows or n) - n))
+    batch = {
+        "input_ids": torch.nn.functional.pad(mb["input_ids"], (0, width - mb["input_ids"].shape[1])),
+        "target": torch.stack([mb["logit_positions"], mb["targets"]], dim=1),
+    }
+    batch["target"][n:, 1] = IGNORE_INDEX
+    return batch
+
+
 def to_device(batch: dict, device: torch.device) -> dict:
     """The batch's tensors on `device` (Python values as they are). On CUDA the copy goes from pinned memory
     with non_blocking=True: a copy from pageable memory makes the host wait for it."""

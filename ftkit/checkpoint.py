@@ -279,3 +279,56 @@ def save_gathered_adapter(path: Path, weights: dict[str, torch.Tensor], peft_con
     dist.gather_object({k: p.detach().cpu() for k, p in weights.items()}, parts, dst=0)
     if rank == 0:
         save_adapter(path, {k: v for part in parts for k, v in part.items()}, peft_config)
+
+
+def save_fsdp_adapter(path: Path, model) -> None:
+    """`save_adapter` for a model sharded by FSDP2 (on a 2-D mesh too): the full adapter gathered onto rank 0's CPU
+    (`get_model_state_dict` with full_state_dict, the frozen base left out) and written there as a stock PEFT
+    adapter, the same files PeftModel.save_pretrained writes. A collective: every rank calls it."""
+    import torch.distributed as dist
+    from peft import get_peft_model_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    full = get_model_state_dict(model, options=options)
+    if dist.get_rank() == 0:
+        weights = get_peft_model_state_dict(model, state_dict=full, save_embedding_layers=False)
+        save_adapter(path, weights, model.peft_config["default"])
+
+
+def global_adapter_key(stage_name: str, first_layer: int) -> str:
+    """A LoRA parameter's name in a pipeline stage (pp-ft) -> its key in the full model's PEFT adapter file: the
+    stage-local layer index becomes the global one and PEFT's adapter name ("default") is dropped, as
+    save_pretrained does. 'layers.1.mlp.up_proj.lora_A.default.weight' of the stage from layer 2 ->
+    'base_model.model.model.layers.3.mlp.up_proj.lora_A.weight'."""
+    parts = stage_name.split(".")
+    if parts[0] != "layers" or "default" not in parts:
+        raise ValueError(f"not a LoRA parameter of a decoder layer: {stage_name}")
+    parts[1] = str(first_layer + int(parts[1]))
+    parts.remove("default")
+    return "base_model.model.model." + ".".join(parts)
+
+
+def gather_slices(linears, group, grads: bool = False) -> dict[str, torch.Tensor]:
+    """The whole adapter (or its gradient) of hand-rolled tensor parallelism (tp-sp-ft) under PEFT's names for the
+    unsharded model. `linears`: (name, module) pairs of its parallel linears, each holding its slices of `lora_A`
+    and `lora_B`, split along the dim its `split` names (None: whole on every rank). The slices are all-gathered
+    and concatenated along that dim (B's rows of a column layer, A's columns of a row layer; `ranks.gather_split`).
+    Every rank takes part; the result is the same on every rank."""
+    out = {}
+    for name, m in linears:
+        for which in ("A", "B"):
+            p = getattr(m, f"lora_{which}")
+            t = ranks.gather_split((p.grad if grads else p).detach(), m.split[which], group)
+            out[f"{name}.lora_{which}.weight"] = t.cpu().contiguous()
+    return out
+
+
+def save_sliced_adapter(path: Path, linears, group, peft_config) -> None:
+    """`save_adapter` for an adapter sliced over the ranks (tp-sp-ft): every rank takes part in `gather_slices`,
+    rank 0 writes the one stock PEFT adapter. A collective: every rank calls it."""
+    import torch.distributed as dist
+
+    weights = gather_slices(linears, group)
+    if dist.get_rank() == 0:
+        save_adapter(path, weights, peft_config)

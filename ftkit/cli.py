@@ -296,3 +296,18 @@ def padded_only(args: argparse.Namespace, why: str) -> None:
     if args.packing:
         args.packing, args.padded_why = False, why
         ranks.print0(f"note: {why}")
+
+
+def resolve_microbatches(args: argparse.Namespace) -> None:
+    """pp-ft's --microbatches m: the pipeline's micro-batches per step, which set --micro-batch-size to
+    --batch-size / m; refused unless m divides the batch into equal micro-batches, or beside a --micro-batch-size
+    given on the command line that disagrees."""
+    if args.microbatches is None:
+        return
+    if args.microbatches <= 0 or args.batch_size % args.microbatches:
+        raise RunError(
+            f"--microbatches {args.microbatches} must divide --batch-size {args.batch_size} into equal micro-batches"
+        )
+    if "--micro-batch-size" in sys.argv and args.micro_batch_size * args.microbatches != args.batch_size:
+        raise RunError("--microbatches and --micro-batch-size disagree; give one of them")
+    args.micro_batch_size = args.batch_size // args.microbatches

@@ -229,6 +229,33 @@ def summarize(rows: list[dict], key: str = "comm") -> dict:
     }
 
 
+# What each experiment's summary.json says its `comm` entries are (its `comm_note`).
+NOTES = {
+    "ddp-ft": "per optimizer step, DDP's gradient all-reduces as the comm hook saw them (ftkit/comm.py): "
+    "bytes of the buckets, buckets issued, and the time at least one of them was in flight (the union of their "
+    "issue-to-completion spans: they overlap backward and each other); the metrics' own loss/eval all-reduces "
+    "are not counted",
+    "fsdp-ft": "per optimizer step, FSDP2's all-gathers and reduce-scatters as recorded around "
+    "torch.distributed (ftkit/comm.py): bytes of the full buffers; the grad-norm all-reduce (DTensor's "
+    "functional collectives) and the metrics' own all-reduces are not counted",
+    "tp-ft": "per optimizer step, every functional collective DTensor issued in forward and backward "
+    "(ftkit/comm.py recording_functional): bytes of the all-reduced tensors; time_s from each one's issue to "
+    "the wait on its result (in flight, overlapping compute queued meanwhile); the gradient-norm clipping, the "
+    "metrics and the reassembly are not counted. "
+    "Recorded on sampled steps only (the first step run and every eval step; all with --comm-every-step): "
+    "the rows with a `comm` entry, and the means here are over those rows",
+    "fsdp-tp-ft": "`comm` (dp): FSDP2's all-gathers and reduce-scatters per optimizer step on rank 0's FSDP group, "
+    "as recorded around torch.distributed; `comm_tp` (tp): DTensor's functional collectives on rank 0's TP "
+    "group, on sampled steps (the first run and every eval step); bytes of the whole buffers; time_s from issue "
+    "to completion (the FSDP works' futures; the wait on each functional collective's result)",
+    "tp-sp-ft": "per optimizer step, every torch.distributed collective inside the step (ftkit/comm.py): "
+    "bytes of the whole buffer (all-reduce tensor, all-gather output, reduce-scatter input); the metrics' "
+    "own reductions and the adapter reassembly are not counted",
+    "pp-ft": "per optimizer step, all ranks together: the point-to-point sends between stages (activations "
+    "forward, their gradients backward), counted where the stages build them; time is not measured",
+}
+
+
 def ring_wire_bytes(kind: str, size: float, world: int) -> float:
     """Bytes each rank sends for one collective on `size` bytes with the ring algorithms (Patarasuk & Yuan 2009,
     "Bandwidth optimal all-reduce algorithms for clusters of workstations", JPDC 69(2)): an all-reduce is a

@@ -14,6 +14,12 @@ COMPILE_BACKEND_ENV = "FTKIT_COMPILE_BACKEND"  # torch.compile's backend [induct
 
 MAX_COMPILED_GRAPHS = 3  # what a run may compile (issue 30): the training layer's graph, and a recompile or two
 
+# Why tp-sp-ft runs its decoder layers eager (`compile_layers`' eager_because; said once, kept in its summary).
+TP_SP_EAGER_BECAUSE = (
+    "tp-sp-ft's collectives are torch.distributed calls inside hand-rolled autograd Functions, recorded on every step "
+    "by ftkit.comm.recording (wrappers with a lock and callbacks), which dynamo cannot trace: a layer would break"
+)
+
 
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The model's decoder layers (transformers' `GradientCheckpointingLayer`s: `Qwen3DecoderLayer`), in order,

@@ -12,6 +12,9 @@ import torch
 from ftkit import models
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The same seven split for tensor parallelism (tp-ft, tp-sp-ft), as Megatron-LM splits them:
+COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features (heads, MLP columns) split
+ROW_PARALLEL = ("o_proj", "down_proj")  # input features split; each rank adds its partial sum into the reduction
 
 
 def freeze_base(model, grad_checkpointing: bool, reentrant: bool = False):

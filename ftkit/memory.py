@@ -46,8 +46,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ftkit.activations import FP32, ROW_PARALLEL, layer_saved_bytes
-from ftkit.lora import LORA_TARGETS
+from ftkit.activations import FP32, layer_saved_bytes
+from ftkit.lora import LORA_TARGETS, ROW_PARALLEL
 
 GIB = 2**30
 DTYPE_BYTES = {"bf16": 2, "fp32": 4}

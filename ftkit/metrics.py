@@ -160,6 +160,16 @@ def peak_memory(device: torch.device) -> dict[str, int]:
     return {"peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale}
 
 
+def kv_cache_bytes(cache) -> int:
+    """Bytes a transformers KV cache (`past_key_values`) holds: every layer's keys and values."""
+    return sum(
+        t.numel() * t.element_size()
+        for layer in cache.layers
+        for t in (layer.keys, layer.values)
+        if isinstance(t, torch.Tensor)
+    )
+
+
 def on_one_device(*scalars: torch.Tensor) -> torch.Tensor:
     """A step's scalars as one fp64 vector on the first one's device, wherever each of them was computed: with
     `fsdp-ft --cpu-offload` the gradient norm comes back on the CPU (the gradients live there) beside the loss on

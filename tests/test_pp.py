@@ -292,7 +292,8 @@ def test_the_weight_gradient_recomputes_checkpointed_layers():
 
 
 def test_layer_indices_are_remapped_to_the_full_model():
-    key = train_module().global_adapter_key
+    from ftkit.checkpoint import global_adapter_key as key
+
     assert key("layers.1.mlp.up_proj.lora_A.default.weight", 2) == (
         "base_model.model.model.layers.3.mlp.up_proj.lora_A.weight"
     )

@@ -31,7 +31,6 @@ from ftkit import (
     cli,
     comm,
     compilation,
-    data,
     errors,
     evaluation,
     lora,
@@ -99,7 +98,8 @@ def main() -> None:
     args = parse_args()
     # ---- process group: torchrun starts one process per GPU and tells each its rank (RANK, LOCAL_RANK,
     # WORLD_SIZE) and where rank 0 listens (MASTER_ADDR/PORT).
-    local_rank, world = ranks.torchrun_local_rank(), int(os.environ["WORLD_SIZE"])
+    ranks.torchrun_local_rank()  # launched by torchrun, or stopped with the command that launches it
+    world = int(os.environ["WORLD_SIZE"])
     # Flags that do not fit the world size are refused before joining the group, on every rank alike: a rank that
     # left during the group's setup would leave the others with a connection error instead of this message.
     accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=world)
@@ -111,14 +111,9 @@ def main() -> None:
             f"--static-graph does not work with gradient accumulation (no_sync) in PyTorch (pytorch/pytorch#143580);"
             f" here accumulation is {accum}: pass --batch-size {args.micro_batch_size * world} or drop --static-graph"
         )
-    device = ranks.device_for(args, local_rank)
-    ranks.share_cpu_cores(device)
-    # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
-    # collective meanwhile, where the group's timeout would end the run.
-    models.fetch(args.model)
-    splits = data.load_splits(args.data, args.data_revision)
-    # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, a pickled object).
-    ranks.init_process_group(device)
+    # The downloads come first (`prepare.start_ranks`), then the group, "cpu:gloo,cuda:nccl" on GPUs: NCCL for
+    # CUDA tensors, gloo for CPU ones (a metric, a pickled object).
+    device, splits = prepare.start_ranks(args)
     rank = dist.get_rank()
     dtype = cli.torch_dtype(args.dtype)
     # Rank 0 names the run directory (its clock, its checks) and every rank uses that one.
@@ -286,10 +281,7 @@ def main() -> None:
         trainable_grad_bytes=comm.nbytes(trainable),
         syncs_per_step=accum if args.sync_every_micro_step else 1,
         **comm.summarize(log.rows),
-        comm_note="per optimizer step, DDP's gradient all-reduces as the comm hook saw them (ftkit/comm.py): "
-        "bytes of the buckets, buckets issued, and the time at least one of them was in flight (the union of their "
-        "issue-to-completion spans: they overlap backward and each other); the metrics' own loss/eval all-reduces "
-        "are not counted",
+        comm_note=comm.NOTES["ddp-ft"],
     )
     rundir.finish(args, run_dir, summary, finished)
 

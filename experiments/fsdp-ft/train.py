@@ -24,12 +24,7 @@ from statistics import mean
 
 import torch
 import torch.distributed as dist
-from peft import get_peft_model_state_dict
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -40,7 +35,6 @@ from ftkit import (
     cli,
     comm,
     compilation,
-    data,
     errors,
     evaluation,
     lora,
@@ -184,15 +178,10 @@ def shard_model(model, args, device: torch.device, world: int) -> list[torch.nn.
 def main() -> None:
     args = parse_args()
     # ---- process group: torchrun starts one process per GPU and tells each its rank (RANK, LOCAL_RANK,
-    # WORLD_SIZE) and where rank 0 listens (MASTER_ADDR/PORT).
-    device = ranks.device_for(args, ranks.torchrun_local_rank())
-    ranks.share_cpu_cores(device)
-    # Downloads (~8 GB of weights on a first run, the hub dataset) before the group exists: no rank waits in a
-    # collective meanwhile, where the group's timeout would end the run.
-    models.fetch(args.model)
-    splits = data.load_splits(args.data, args.data_revision)
-    # "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, an offloaded grad norm).
-    ranks.init_process_group(device)
+    # WORLD_SIZE) and where rank 0 listens (MASTER_ADDR/PORT). The downloads come first (`prepare.start_ranks`),
+    # then the group, "cpu:gloo,cuda:nccl" on GPUs: NCCL for CUDA tensors, gloo for CPU ones (a metric, an
+    # offloaded grad norm).
+    device, splits = prepare.start_ranks(args)
     rank, world = dist.get_rank(), dist.get_world_size()
     accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=world)
     dtype = cli.torch_dtype(args.dtype)
@@ -259,10 +248,7 @@ def main() -> None:
         inner.rotary_emb = type(inner.rotary_emb)(config).to(device)
 
     # What each rank now holds: its shard of every parameter, and what one unit needs unsharded at once.
-    def local_bytes(params) -> int:
-        return sum(p.to_local().numel() * p.to_local().element_size() for p in params)
-
-    param_bytes = local_bytes(model.parameters())
+    param_bytes = comm.nbytes([p.to_local() for p in model.parameters()])
     unit_bytes = [comm.gathered_bytes(u.parameters(), cli.torch_dtype(args.param_dtype)) for u in [*units, model]]
     unit_bytes[-1] -= sum(unit_bytes[:-1])  # the root unit: what no layer unit took
     ranks.print0(
@@ -274,21 +260,9 @@ def main() -> None:
     optimizer, scheduler = optim.adamw_cosine(trainable, args)
     # ---- resume: the sharded adapter + optimizer state (each rank reads its own pieces with
     # torch.distributed.checkpoint), the scheduler and each rank's RNG; the data position is the step itself.
-    start_step = 0
-    if resume_from is not None:
-        start_step = checkpoint.load_sharded(resume_from, model, optimizer, scheduler, any_world=True)
+    start_step = checkpoint.load_sharded(resume_from, model, optimizer, scheduler, any_world=True)  # 0 without --resume
 
     log = rundir.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config)
-
-    def save_adapter(path) -> None:
-        # Gather the full adapter onto rank 0's CPU (a collective: every rank takes part) and write it as a stock
-        # PEFT adapter, the same files PeftModel.save_pretrained writes.
-        full = get_model_state_dict(
-            model, options=StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-        )
-        if rank == 0:
-            weights = get_peft_model_state_dict(model, state_dict=full, save_embedding_layers=False)
-            checkpoint.save_adapter(path, weights, model.peft_config["default"])
 
     # ---- train
     model.train()
@@ -314,12 +288,7 @@ def main() -> None:
                         use_cache=args.use_cache,
                     )
                     if args.use_cache and out.past_key_values is not None:
-                        kv_cache_bytes = sum(
-                            t.numel() * t.element_size()
-                            for layer in out.past_key_values.layers
-                            for t in (layer.keys, layer.values)
-                            if isinstance(t, torch.Tensor)
-                        )
+                        kv_cache_bytes = metrics.kv_cache_bytes(out.past_key_values)
                     loss = batching.token_loss_sum(out.logits, mb["targets"]) / n_target
                     del out  # the logits (and a KV cache) are freed by backward, not kept into the next forward
                     # FSDP2's reduce-scatter *averages* the gradients over the ranks (it divides by the world size,
@@ -380,10 +349,11 @@ def main() -> None:
             profiler.step(step + 1)
     log.close()
 
-    # ---- save: a stock PEFT adapter (adapter_config.json + adapter_model.safetensors), gathered onto rank 0
+    # ---- save: a stock PEFT adapter (adapter_config.json + adapter_model.safetensors), gathered onto rank 0's CPU
+    # (a collective: every rank takes part) and written there
     finished = last_step == args.max_steps
     if finished:
-        save_adapter(run_dir / "adapter")
+        checkpoint.save_fsdp_adapter(run_dir / "adapter", model)
     if rank != 0:
         return
     theory = comm.fsdp_theory(  # per micro-step: a step all-gathers as often as it has micro-steps
@@ -412,9 +382,7 @@ def main() -> None:
         theory_all_gather_bytes=round(theory["all_gather"] * mean(r["micro_batches"] for r in log.rows)),
         theory_reduce_scatter_bytes=theory["reduce_scatter"],
         **comm.summarize(log.rows),
-        comm_note="per optimizer step, FSDP2's all-gathers and reduce-scatters as recorded around "
-        "torch.distributed (ftkit/comm.py): bytes of the full buffers; the grad-norm all-reduce (DTensor's "
-        "functional collectives) and the metrics' own all-reduces are not counted",
+        comm_note=comm.NOTES["fsdp-ft"],
         lost_updates_note="lost_update_fraction per step only with --count-lost-updates or "
         "--adapters-in-base-dtype (it copies every trainable shard each step)",
     )

@@ -28,8 +28,6 @@ from statistics import mean
 
 import torch
 import torch.distributed as dist
-from peft import get_peft_model_state_dict
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor.parallel import parallelize_module
@@ -136,12 +134,10 @@ def main() -> None:
     # is non-reentrant, inside each layer's forward: FSDP's hooks stay outside, the TP collectives are recomputed.
     model = prepare.load_lora_model(args, dtype, device, len(tokenizer))
     checkpoint.seed_dropout(args.seed, stream=dp_rank)  # a TP group's ranks hold the same tokens: one stream per group
-    compiled = compilation.compile_layers(
-        model, args.compile
-    )  # --compile: each decoder layer, in place, before TP+FSDP
+    # --compile: each decoder layer, in place, before TP+FSDP
+    compiled = compilation.compile_layers(model, args.compile)
     config = model.config
     token_bytes = config.hidden_size * dtype.itemsize  # a token's activation between blocks, for the comm theory
-    peft_config = model.peft_config["default"]
     n_lora = models.parameter_counts(model)["trainable"]  # the whole adapter, for the FLOP count
     # ---- TP first, on the `tp` dimension: each layer's projections and adapters become DTensors split as tp-ft
     # splits them. Then FSDP2 on the `dp` dimension: each layer is a unit whose parameters (the TP slices, and the
@@ -238,11 +234,7 @@ def main() -> None:
     # ---- save: the 2-D shards gathered into one stock PEFT adapter on rank 0
     finished = last_step == args.max_steps
     if finished:
-        options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
-        full = get_model_state_dict(model, options=options)
-        if rank == 0:
-            weights = get_peft_model_state_dict(model, state_dict=full, save_embedding_layers=False)
-            checkpoint.save_adapter(run_dir / "adapter", weights, peft_config)
+        checkpoint.save_fsdp_adapter(run_dir / "adapter", model)
     if rank != 0:
         return
     summary = log.run_summary(
@@ -262,10 +254,7 @@ def main() -> None:
         theory_comm_tp_bytes_per_step=comm.tp_all_reduce_theory(config, args, log.rows, tp, "comm_tp"),
         **comm.summarize(log.rows),
         **comm.summarize(log.rows, key="comm_tp"),
-        comm_note="`comm` (dp): FSDP2's all-gathers and reduce-scatters per optimizer step on rank 0's FSDP group, "
-        "as recorded around torch.distributed; `comm_tp` (tp): DTensor's functional collectives on rank 0's TP "
-        "group, on sampled steps (the first run and every eval step); bytes of the whole buffers; time_s from issue "
-        "to completion (the FSDP works' futures; the wait on each functional collective's result)",
+        comm_note=comm.NOTES["fsdp-tp-ft"],
     )
     rundir.finish(args, run_dir, summary, finished)
 

@@ -20,9 +20,9 @@ gradient, which nothing waits for and runs later, in the gaps.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -59,12 +59,6 @@ SCHEDULES = {
 }
 
 
-PADDED_WHY = (
-    "pp-ft runs padded batches (one example per row), not packed ones: its schedule is built for a fixed number of "
-    "micro-batches per step, and a packed step has as many as its rows need"
-)
-
-
 def parse_args():
     p = cli.common_parser(__doc__.splitlines()[0], experiment="pp-ft")
     g = p.add_argument_group("pipeline")
@@ -83,18 +77,10 @@ def parse_args():
         default=None,
         help="pipeline micro-batches per optimizer step; sets --micro-batch-size to --batch-size / this",
     )
-    micro_given = "--micro-batch-size" in sys.argv
     args = cli.resolve(p.parse_args())
-    if args.microbatches is not None:
-        if args.microbatches <= 0 or args.batch_size % args.microbatches:
-            raise errors.RunError(
-                f"--microbatches {args.microbatches} must divide --batch-size {args.batch_size} into equal "
-                "micro-batches"
-            )
-        if micro_given and args.micro_batch_size * args.microbatches != args.batch_size:
-            raise errors.RunError("--microbatches and --micro-batch-size disagree; give one of them")
-        args.micro_batch_size = args.batch_size // args.microbatches
-    cli.padded_only(args, PADDED_WHY)  # said once, here and in the summary
+    cli.resolve_microbatches(args)  # --microbatches m: --micro-batch-size = --batch-size / m
+    # Padded, one example per row: the schedule has a fixed number of micro-batches (said once, and in the summary).
+    cli.padded_only(args, batching.PIPELINE_PADDED_WHY)
     return args
 
 
@@ -173,19 +159,6 @@ def pipeline_stage(module: Stage, sid: int, n_stages: int, device, args, config)
     return PipelineStage(module, sid, n_stages, device, input_args=ids if sid == 0 else hidden, output_args=hidden)
 
 
-def global_adapter_key(stage_name: str, first_layer: int) -> str:
-    """A LoRA parameter's name in a stage -> its key in the full model's PEFT adapter file: the stage-local layer
-    index becomes the global one and PEFT's adapter name ("default") is dropped, as save_pretrained does.
-    'layers.1.mlp.up_proj.lora_A.default.weight' of the stage from layer 2 ->
-    'base_model.model.model.layers.3.mlp.up_proj.lora_A.weight'."""
-    parts = stage_name.split(".")
-    if parts[0] != "layers" or "default" not in parts:
-        raise ValueError(f"not a LoRA parameter of a decoder layer: {stage_name}")
-    parts[1] = str(first_layer + int(parts[1]))
-    parts.remove("default")
-    return "base_model.model.model." + ".".join(parts)
-
-
 def main() -> None:
     args = parse_args()
     # ---- process group: one process per GPU; each owns one pipeline stage (two with interleaved 1F1B).
@@ -210,24 +183,11 @@ def main() -> None:
     # ---- data: the same global batches on every rank (rank 0 of 1 data-parallel replica)
     tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
     batches = batching.GlobalBatches(train_set, args.batch_size, args.seed)
-
-    def padded(items: list) -> dict[str, torch.Tensor]:
-        # Every micro-batch, of every step and of the eval, is (micro, --max-length): the stages' given shape
-        # (`pipeline_stage`). The last stage's target packs, per row, the positions whose logits the loss needs and
-        # the tokens they predict ([rows, 2, k]), so the schedule cuts both into micro-batches with the inputs.
-        mb = batching.collate(items)
-        return {
-            "input_ids": nn.functional.pad(mb["input_ids"], (0, args.max_length - mb["input_ids"].shape[1])),
-            "target": torch.stack([mb["logit_positions"], mb["targets"]], dim=1),
-        }
-
-    # The eval set every script takes, in groups of --batch-size examples (the pipeline's shape); the last group
-    # is filled with rows that have no target tokens.
-    def eval_batch(group: list) -> dict[str, torch.Tensor]:
-        b = padded(group + [group[-1]] * (args.batch_size - len(group)))
-        b["target"][len(group) :, 1] = data.IGNORE_INDEX
-        return b
-
+    # Every micro-batch, of every step and of the eval, is (micro, --max-length), the stages' given shape
+    # (`pipeline_stage`), with the answer positions and their tokens as the last stage's target
+    # (`batching.collate_pipeline`). The eval set every script takes, in groups of --batch-size examples (the
+    # pipeline's shape); the last group is filled with rows that have no target tokens.
+    eval_batch = functools.partial(batching.collate_pipeline, width=args.max_length, rows=args.batch_size)
     eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.batch_size, collate=eval_batch)
     eval_targets = sum(int((b["target"][:, 1] != data.IGNORE_INDEX).sum()) for b in eval_batches)
 
@@ -238,9 +198,8 @@ def main() -> None:
     # directly, and a layer applies the checkpointing itself (transformers' GradientCheckpointingLayer).
     model = prepare.load_lora_model(args, dtype, device, len(tokenizer))
     checkpoint.seed_dropout(args.seed, stream=rank)  # each rank runs other layers: masks of their own
-    compiled = compilation.compile_layers(
-        model, args.compile
-    )  # --compile: each decoder layer, before the stages take them
+    # --compile: each decoder layer, before the stages take them
+    compiled = compilation.compile_layers(model, args.compile)
     config = model.config
     model = lora.adapters_compute_in(model, dtype)  # bf16 compute (autocast), fp32 weights: as single-gpu-ft
     counts = models.parameter_counts(model)
@@ -282,10 +241,9 @@ def main() -> None:
     trainable = [p for m in modules for p in m.parameters() if p.requires_grad]  # this rank's stages only
     optimizer, scheduler = optim.adamw_cosine(trainable, args)
 
-    # This rank's LoRA weights under the full model's adapter keys (unique across stages).
-    adapter = {
-        global_adapter_key(n, m.first_layer): p for m in modules for n, p in m.named_parameters() if p.requires_grad
-    }
+    # This rank's LoRA weights under the full model's adapter keys (global layer indices, unique across stages).
+    named = [(n, p, m.first_layer) for m in modules for n, p in m.named_parameters() if p.requires_grad]
+    adapter = {checkpoint.global_adapter_key(n, first): p for n, p, first in named}
 
     # ---- resume: each rank reads back its stages' LoRA weights, their optimizer state and its RNG (rank<r>.pt)
     start_step = 0
@@ -341,7 +299,8 @@ def main() -> None:
         for step in range(start_step, last_step):
             metrics.reset_peak_memory(device)
             denominator[0] = batches.n_target(step)  # target tokens of the whole global batch
-            batch = batching.to_device(padded([batches.data[i] for i in batches.indices(step)]), device)
+            batch = batching.collate_pipeline([batches.data[i] for i in batches.indices(step)], args.max_length)
+            batch = batching.to_device(batch, device)
             losses: list[torch.Tensor] = []
             with metrics.StepTimer(device) as timer:
                 timer_actions.start()
@@ -373,9 +332,8 @@ def main() -> None:
                 target_tokens=denominator[0],
                 lengths=batches.lengths(step),  # real tokens of the global batch: known on the host
                 seconds=timer.seconds,
-                **pipeline_timing.pipeline_step(
-                    every
-                ),  # the sends, busy / idle time, bubble, stage forwards of every rank
+                # the sends, busy / idle time, bubble, stage forwards of every rank
+                **pipeline_timing.pipeline_step(every),
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
                 row["eval_loss"] = eval_loss()
@@ -425,8 +383,7 @@ def main() -> None:
         # the V schedules, whose middle boundary lies inside one rank).
         activation_bytes_per_microbatch=args.micro_batch_size * args.max_length * config.hidden_size * dtype.itemsize,
         **comm.summarize(rows),
-        comm_note="per optimizer step, all ranks together: the point-to-point sends between stages (activations "
-        "forward, their gradients backward), counted where the stages build them; time is not measured",
+        comm_note=comm.NOTES["pp-ft"],
         packing=getattr(args, "padded_why", "off (--no-packing)"),
     )
     rundir.finish(args, run_dir, summary, finished)

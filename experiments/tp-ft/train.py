@@ -42,9 +42,6 @@ from ftkit import (
 )
 from ftkit.profiling import StepProfiler
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features (heads, MLP columns) split
-ROW = ("o_proj", "down_proj")  # input features split; each rank adds its partial sum into the reduction
-
 
 def parse_args():
     p = cli.common_parser(__doc__.splitlines()[0], experiment="tp-ft")
@@ -75,11 +72,11 @@ def lora_aware_plan() -> dict:
     backward ColwiseParallel all-reduces the gradient of B's input, so A's gradient is complete on every rank).
     Row layers: base and A by input columns (A's partial outputs all-reduced by RowwiseParallel), B whole."""
     plan = {}
-    for name in COLUMN:
+    for name in lora.COLUMN_PARALLEL:
         block = "self_attn" if name.endswith(("q_proj", "k_proj", "v_proj")) else "mlp"
         plan[f"{block}.{name}.base_layer"] = ColwiseParallel()
         plan[f"{block}.{name}.lora_B.default"] = ColwiseParallel()
-    for name in ROW:
+    for name in lora.ROW_PARALLEL:
         block = "self_attn" if name == "o_proj" else "mlp"
         plan[f"{block}.{name}.base_layer"] = RowwiseParallel()
         plan[f"{block}.{name}.lora_A.default"] = RowwiseParallel()
@@ -92,9 +89,9 @@ def naive_plan() -> dict:
     in PEFT's forward fails on the shapes (the same plan applied *before* get_peft_model runs without an error
     and is wrong: PEFT then builds per-rank adapters that nothing keeps in step)."""
     plan = {}
-    for name in COLUMN + ROW:
+    for name in lora.COLUMN_PARALLEL + lora.ROW_PARALLEL:
         block = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
-        plan[f"{block}.{name}.base_layer"] = ColwiseParallel() if name in COLUMN else RowwiseParallel()
+        plan[f"{block}.{name}.base_layer"] = ColwiseParallel() if name in lora.COLUMN_PARALLEL else RowwiseParallel()
     return plan
 
 
@@ -258,12 +255,7 @@ def main() -> None:
         # q, k, v, gate, up (and their lora_B), one each (`comm.tp_all_reduce_theory`).
         theory_comm_bytes_per_step=comm.tp_all_reduce_theory(config, args, log.rows, tp),
         **comm.summarize(log.rows),
-        comm_note="per optimizer step, every functional collective DTensor issued in forward and backward "
-        "(ftkit/comm.py recording_functional): bytes of the all-reduced tensors; time_s from each one's issue to "
-        "the wait on its result (in flight, overlapping compute queued meanwhile); the gradient-norm clipping, the "
-        "metrics and the reassembly are not counted. "
-        "Recorded on sampled steps only (the first step run and every eval step; all with --comm-every-step): "
-        "the rows with a `comm` entry, and the means here are over those rows",
+        comm_note=comm.NOTES["tp-ft"],
     )
     rundir.finish(args, run_dir, summary, finished)
 

@@ -40,15 +40,6 @@ from ftkit import (
 )
 from ftkit.profiling import StepProfiler
 
-COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # output features (heads, MLP columns) split
-ROW = ("o_proj", "down_proj")  # input features split; each rank adds its partial sum into the reduction
-
-
-EAGER_BECAUSE = (
-    "tp-sp-ft's collectives are torch.distributed calls inside hand-rolled autograd Functions, recorded on every step "
-    "by ftkit.comm.recording (wrappers with a lock and callbacks), which dynamo cannot trace: a layer would break"
-)
-
 
 def parse_args():
     p = cli.common_parser(__doc__.splitlines()[0], experiment="tp-sp-ft")
@@ -235,7 +226,7 @@ def parallelize(model, tp: int, rank: int, group, sequence_parallel: bool) -> No
         for block, names in ((layer.self_attn, ("q_proj", "k_proj", "v_proj", "o_proj")), (layer.mlp, None)):
             for name in names or ("gate_proj", "up_proj", "down_proj"):
                 old = getattr(block, name)
-                if name in COLUMN:
+                if name in lora.COLUMN_PARALLEL:
                     setattr(block, name, ColumnParallelLoRALinear(old, tp, rank))
                 else:
                     setattr(block, name, RowParallelLoRALinear(old, tp, rank, out_of, group))
@@ -253,10 +244,8 @@ def parallelize(model, tp: int, rank: int, group, sequence_parallel: bool) -> No
         inner.norm.register_forward_hook(lambda mod, args, out: GatherSeq.apply(out, group))
 
 
-def parallel_linears(model):
-    for name, module in model.named_modules():
-        if isinstance(module, ParallelLoRALinear):
-            yield name, module
+def parallel_linears(model) -> list[tuple[str, ParallelLoRALinear]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, ParallelLoRALinear)]
 
 
 def replicated_lora(model) -> list[torch.nn.Parameter]:
@@ -272,19 +261,6 @@ def sync_replicated_grads(params: list[torch.nn.Parameter], group) -> None:
     dist.all_reduce(flat, group=group)
     for p, g in zip(params, flat.split([p.numel() for p in params])):
         p.grad.copy_(g.view_as(p.grad))
-
-
-def full_lora(model, group, grads: bool = False) -> dict[str, torch.Tensor]:
-    """The whole adapter (or its gradient) under PEFT's names for the unsharded model: the sharded tensors are
-    all-gathered and concatenated along the dim they were split on (B's rows of a column layer, A's columns of a
-    row layer; `ranks.gather_split`). Every rank takes part; the result is the same on every rank."""
-    out = {}
-    for name, m in parallel_linears(model):
-        for which in ("A", "B"):
-            p = getattr(m, f"lora_{which}")
-            t = ranks.gather_split((p.grad if grads else p).detach(), m.split[which], group)
-            out[f"{name}.lora_{which}.weight"] = t.cpu().contiguous()
-    return out
 
 
 def main() -> None:
@@ -310,15 +286,15 @@ def main() -> None:
     # is non-reentrant: backward recomputes each layer, and with it the layer's forward collectives.
     model = prepare.load_lora_model(args, dtype, device, len(tokenizer))
     checkpoint.seed_dropout(args.seed, stream=0)  # every rank holds the same tokens: the same masks on each
-    compiled = compilation.compile_layers(
-        model, args.compile, eager_because=EAGER_BECAUSE
-    )  # --compile: eager, said why
+    # --compile: eager, and says why: dynamo cannot trace the recording wrappers around the hand-rolled collectives
+    compiled = compilation.compile_layers(model, args.compile, eager_because=compilation.TP_SP_EAGER_BECAUSE)
     config = model.config
     token_bytes = config.hidden_size * dtype.itemsize  # a token's activation between blocks, for the comm theory
     n_lora = models.parameter_counts(model)["trainable"]  # the whole adapter, for the FLOP count
     # ---- tensor parallel: the projections become column/row-parallel linears holding this rank's slices. The
     # norms are untouched: frozen, replicated, and (under SP) run on this rank's tokens.
     parallelize(model, tp, rank, group, args.sequence_parallel)
+    linears = parallel_linears(model)  # by name: their slices make up the adapter (`checkpoint.gather_slices`)
     metrics.release_cached_memory(device)  # the whole model this rank built, but its slices, back to the driver
     counts = models.parameter_counts(model)
     ranks.print0(f"parameters on this rank: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen")
@@ -363,7 +339,7 @@ def main() -> None:
                         loss_sum += loss.detach()
                     sync_replicated_grads(replicated, group)
                 if args.dump_grads and step == 2:
-                    rundir.dump_grads(full_lora(model, group, grads=True), run_dir, rank)
+                    rundir.dump_grads(checkpoint.gather_slices(linears, group, grads=True), run_dir, rank)
                 # The global norm: the sharded tensors' squares summed over ranks, the replicated ones counted once.
                 # Its one scalar all-reduce is outside the accounting, like the metrics' own.
                 grad_norm = optim.clip_grads_over_ranks(trainable, args.max_grad_norm, group, replicated)
@@ -393,15 +369,15 @@ def main() -> None:
 
     # ---- save: the shards reassembled into one stock PEFT adapter, and optionally the merged model
     finished = last_step == args.max_steps
-    adapter = full_lora(model, group) if finished else None
+    if finished:  # every rank sends its slices, rank 0 writes the adapter
+        checkpoint.save_sliced_adapter(run_dir / "adapter", linears, group, model.peft_config["default"])
     if args.dump_logits and finished:
         rundir.dump_logits(model, eval_batches[0], device, run_dir / "logits.pt", rank)
     if rank != 0:
         return
-    if finished:
-        checkpoint.save_adapter(run_dir / "adapter", adapter, model.peft_config["default"])
     if args.merge and finished:
         lora.merge_adapter(args.model, args.seed, run_dir / "adapter", run_dir / "merged", len(tokenizer), dtype)
+    theory = comm.tp_sp_collective_theory(config, args, log.rows, comm.nbytes(replicated))
     summary = log.run_summary(
         last_step,
         predicted=metrics.predicted_memory(config, args, "tp-sp" if args.sequence_parallel else "tp", world_size=tp),
@@ -409,14 +385,10 @@ def main() -> None:
         compile=compilation.compile_report(compiled),
         sequence_parallel=args.sequence_parallel,
         replicated_lora_grad_bytes=comm.nbytes(replicated),
-        theory_comm_by_kind_per_step=(
-            theory := comm.tp_sp_collective_theory(config, args, log.rows, comm.nbytes(replicated))
-        ),
+        theory_comm_by_kind_per_step=theory,
         theory_comm_bytes_per_step=sum(theory.values()),
         **comm.summarize(log.rows),
-        comm_note="per optimizer step, every torch.distributed collective inside the step (ftkit/comm.py): "
-        "bytes of the whole buffer (all-reduce tensor, all-gather output, reduce-scatter input); the metrics' "
-        "own reductions and the adapter reassembly are not counted",
+        comm_note=comm.NOTES["tp-sp-ft"],
         # Layer 1 on rank 0, first micro-batch: `tokens` is what this rank's norms and residual stream hold.
         activations_measured=saved.measured,
     )

@@ -5,7 +5,7 @@ bubble."""
 from __future__ import annotations
 
 from ftkit import comm, hardware, metrics
-from ftkit.activations import ROW_PARALLEL
+from ftkit.lora import ROW_PARALLEL
 from ftkit.memory import NF4_BYTES_PER_PARAM, NF4_PACKED_BYTES, lora_params
 from ftkit.plan.hosts import (
     H100_OPS_PER_STEP,
