@@ -114,3 +114,10 @@ def test_every_import_goes_down_the_documented_order():
         and levels[target.split(".")[1]] >= levels[name.split(".")[1]]
     ]
     assert not upward, f"imports that do not go down ftkit/README.md's order: {upward}"
+
+
+@pytest.mark.parametrize("script", sorted(p.parent.name for p in (ROOT / "experiments").glob("*/train.py")))
+def test_each_train_py_is_a_lesson_of_at_most_400_lines(script):
+    """Each experiment's train.py is read top to bottom; what every script does alike lives in ftkit."""
+    lines = (ROOT / "experiments" / script / "train.py").read_text().count("\n")
+    assert lines <= 400, f"experiments/{script}/train.py: {lines} lines; move plumbing into its ftkit module"
