@@ -23,7 +23,7 @@ def reference(tmp_path_factory, data_dir):
     return parity.reference(tmp_path_factory.mktemp("ref"), *ref_flags, quant="none")
 
 
-@pytest.fixture(scope="module", params=["2 nodes x 2", "1,2", "2,1"])
+@pytest.fixture(scope="module", params=[pytest.param("2 nodes x 2", marks=pytest.mark.slow), "1,2", "2,1"])
 def mesh(request, tmp_path_factory, data_dir):
     """Mesh 2x2 is launched as a 2-node job through assets/slurm/train.sbatch (srun and scontrol stand-ins run its
     torchrun command once per "node": 2 agents of 2 processes meeting at the c10d rendezvous on loopback, as two
