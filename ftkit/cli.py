@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ftkit import ranks, rundir
+from ftkit import models, ranks, rundir
 from ftkit.data import SHIPPED
 from ftkit.errors import RunError
 from ftkit.profiling import parse_profile_steps
@@ -230,6 +230,7 @@ REAL = dict(
 def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """Take a resumed run's flags from its config.json, fill the scale-dependent defaults (smoke or real) and check
     the flags, all before anything expensive."""
+    models.check_transformers()
     rundir.follow_restart(args)
     if args.resume:
         rundir.take_run_flags(args)

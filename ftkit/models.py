@@ -16,9 +16,11 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -192,6 +194,26 @@ def _looks_like_path(model: str) -> bool:
     return model.startswith(("/", ".", "~")) or model.count("/") > 1 or (len(parts) > 1 and Path(parts[0]).is_dir())
 
 
+# The loss takes the logits at each row's own answer positions, `logits_to_keep=[rows, k]`; transformers before
+# 5.21 indexes every row with every row's positions ([rows, rows, k] logits: a crash, or at one row a silent
+# mix-up), so older ones are refused before anything is built.
+MIN_TRANSFORMERS = (5, 21)
+
+
+def check_transformers(version: str | None = None) -> None:
+    """Refuse a transformers older than MIN_TRANSFORMERS, saying how to get the locked one."""
+    import importlib.metadata
+
+    version = version or importlib.metadata.version("transformers")
+    numbers = tuple(int(part) for part in re.findall(r"\d+", version)[:2])
+    if numbers < MIN_TRANSFORMERS:
+        need = ".".join(map(str, MIN_TRANSFORMERS))
+        raise ModelError(
+            f"transformers {version} is installed, and the scripts need {need} or newer (per-row logits_to_keep "
+            f"positions): run `uv sync` for the locked versions, or `pip install 'transformers>={need}'`"
+        )
+
+
 def check_model(model: str) -> None:
     """Refuse, from the command line alone (no network), a --model that is neither 'tiny', 'qwen3-4b-shape', a model
     folder nor a well-formed hub id: a typo'd path would otherwise be taken for a hub id and fail in the hub client."""
@@ -316,14 +338,36 @@ def bnb_config(compute_dtype: torch.dtype):
 
 
 def _random_init(config, seed: int, dtype: torch.dtype, device: torch.device):
-    """Random weights drawn in `dtype` on the CPU from one seeded generator, then moved: every script, rank and
-    device gets the same weights for a seed, and a GPU never holds an fp32 copy of a bf16 model (Qwen3-4B in
-    fp32 is 16 GB)."""
+    """Random weights as Qwen3's own init draws them (every matrix from N(0, initializer_range), the norms 1),
+    in `dtype` on the CPU, then moved: every script, rank and device gets the same weights for a seed, and a GPU
+    never holds an fp32 copy of a bf16 model (Qwen3-4B in fp32 is 16 GB). Each parameter has its own generator,
+    seeded from `seed` and its place in the model, so a pool of threads can draw them in any order: transformers'
+    own init draws Qwen3-4B's 4.0 B weights twice (torch's default, then its own), one after another, which took
+    over 100 s on a 16-core host before the first step."""
     from transformers import Qwen3ForCausalLM
+    from transformers.initialization import no_init_weights
 
-    torch.manual_seed(seed)
-    with torch.device("cpu"):
+    torch.manual_seed(seed)  # the global generator's state after a build, as code after it may draw from it
+    with torch.device("cpu"), no_init_weights():
         model = Qwen3ForCausalLM._from_config(config, dtype=dtype)
+    model.tie_weights()  # no_init_weights skips the tying too; a tied lm_head is then drawn once, as the embedding
+
+    @torch.no_grad()
+    def draw(key: tuple[int, int], rows: torch.Tensor) -> None:
+        # The CPU generator (mt19937) keeps 32 bits of a seed: the three numbers are hashed into them.
+        digest = hashlib.sha256(f"{seed}/{key[0]}/{key[1]}".encode()).digest()
+        generator = torch.Generator().manual_seed(int.from_bytes(digest[:4], "little"))
+        rows.normal_(0.0, config.initializer_range, generator=generator)
+
+    blocks = {}  # (parameter, block) -> rows of ~16 M weights: the embedding's 389 M are drawn in parallel too
+    for i, param in enumerate(model.parameters()):
+        if param.ndim == 1:  # Qwen3's only vectors are the RMSNorm scales (no biases)
+            param.data.fill_(1.0)
+            continue
+        step = max(1, 2**24 // param[0].numel())
+        blocks.update({(i, j): param.data[r : r + step] for j, r in enumerate(range(0, len(param), step))})
+    with ThreadPoolExecutor(max_workers=min(16, os.cpu_count() or 1)) as pool:
+        list(pool.map(draw, blocks.keys(), blocks.values()))
     return model.to(device)
 
 
@@ -331,7 +375,7 @@ def _random_init_checkpoint(model: str, config, seed: int) -> Path:
     """Random-init weights saved once per (model, seed, config), so they can be loaded through the same
     `from_pretrained(quantization_config=...)` path as a real checkpoint. bf16 storage, like the hub's."""
     key = hashlib.sha256(json.dumps(config.to_dict(), sort_keys=True, default=str).encode()).hexdigest()[:12]
-    path = cache_dir() / f"{model}-seed{seed}-{key}-v2"
+    path = cache_dir() / f"{model}-seed{seed}-{key}-v3"
     if not (path / "config.json").exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=".tmp-"))

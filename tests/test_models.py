@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from ftkit import lora, models
+from ftkit.errors import ModelError
 
 
 def test_tiny_config_divides_for_tp_and_pp():
@@ -102,6 +104,37 @@ def test_qwen3_4b_shape_is_drawn_in_its_dtype_on_the_cpu(monkeypatch):
     assert {p.dtype for p in bf16.parameters()} == {torch.bfloat16}
     again = models.load_model("tiny", quant="none", dtype=torch.bfloat16, device=torch.device("meta"), seed=3)
     assert all(p.is_meta for p in again.parameters())  # the meta build draws nothing
+
+
+def test_random_init_draws_qwen3s_init_in_parallel_blocks(monkeypatch):
+    """The random init is Qwen3's (matrices from N(0, initializer_range), norms 1, a tied lm_head drawn once, as
+    the embedding) and does not depend on how many threads draw it: each block of rows has its own generator."""
+    from concurrent import futures
+
+    config = models.model_config("tiny")
+    config.tie_word_embeddings = True
+    model = models._random_init(config, 7, torch.float32, torch.device("cpu"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    weights = {n: p for n, p in model.named_parameters()}
+    assert all(torch.equal(p, torch.ones_like(p)) for n, p in weights.items() if p.ndim == 1)
+    matrices = torch.cat([p.flatten() for p in weights.values() if p.ndim > 1])
+    assert abs(matrices.std().item() - config.initializer_range) < 0.002 and abs(matrices.mean().item()) < 0.001
+    embedding = weights["model.embed_tokens.weight"]
+    assert not torch.equal(embedding[0], embedding[1])  # every row its own draw, not one block repeated
+
+    monkeypatch.setattr(models, "ThreadPoolExecutor", lambda max_workers: futures.ThreadPoolExecutor(1))
+    again = models._random_init(config, 7, torch.float32, torch.device("cpu"))
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+
+
+def test_a_transformers_without_per_row_logits_to_keep_is_refused():
+    """Before 5.21, transformers indexes every row with every row's answer positions (on a GPU session: 'Expected
+    input batch_size (900) to match target batch_size (450)'); the scripts refuse it before building anything."""
+    with pytest.raises(ModelError, match=r"transformers 5\.20\.2 is installed.*5\.21 or newer.*uv sync"):
+        models.check_transformers("5.20.2")
+    models.check_transformers("5.21.0")
+    models.check_transformers("5.23.0.dev0")
+    models.check_transformers()  # the installed one, the lock's
 
 
 def tiny_lora(dtype: torch.dtype, dropout: float = 0.0):
