@@ -23,10 +23,11 @@
 #        parts in the same --out measured (tokens/s over steps 2..N; PROFILE_CONFIG=lora-packed-eager names one):
 #        the profiler's op table, the trace only if it gzips to TRACE_MAX_MB (8) or less
 #   all  a b1 b2 c d (several parts in one command: SESSION_BUDGET_S, 1500 s, in all); table: every part's table
-# Expected on an H100 (estimates from the committed runs, not measurements): each bf16 run builds its random
-# weights on the host CPU (about 1-3 minutes), QLoRA runs load them from FTKIT_CACHE once built; `a` may not
-# reach its last scripts (it prints the SCRIPTS=... command for the rest); b1 about 9 min, b2 about 8, c about 6,
-# d about 4. So 25 minutes hold about a (perhaps in two calls), b1 and b2; c and d need another lease.
+# Measured on an H200 (devlogs/runs/gpu-session-2026-11-26-gpu/): a bf16 run of 6 eager steps takes 44-48 s from
+# start to exit, its random weights drawn in a few seconds; compiling adds its first step's compile. The lent
+# machines' own packages are older than the lock's (torch 2.11, transformers 5.17, no bitsandbytes): carry a
+# transformers >= 5.21 wheel (WHEELS=DIR); without bitsandbytes the QLoRA runs are skipped, saying so, and part a
+# runs ddp-ft and single-gpu-ft with --quant none.
 #
 # Files: each part writes a new folder <part>-<what>-<device>[-N] under --out (GPU_SESSION_OUT; default
 # devlogs/runs/gpu-session-<date>-gpu/, with --smoke runs/gpu-session-<date>-smoke/), never into an existing one:
@@ -48,7 +49,9 @@
 # Environment: PYTHON (default `uv run python`; e.g. python3 where torch came with the machine: the repository
 # goes on PYTHONPATH, so ftkit imports without an install), GPU_SESSION_OUT, GPU_SESSION_PACK, PART_BUDGET_S,
 # SESSION_BUDGET_S, MIN_CMD_S, A_CMD_TIMEOUT_S, A_STEPS (3), B_STEPS (20), PROFILE_STEP (3), SCRIPTS, CONFIGS,
-# PROFILE_CONFIG, EXTRA_FLAGS (added to every run, e.g. "--max-length 1024"), RUN_ROOT, TRACE_MAX_MB.
+# PROFILE_CONFIG, EXTRA_FLAGS (added to every run, e.g. "--max-length 1024"), RUN_ROOT, TRACE_MAX_MB, WHEELS (a
+# folder of wheels installed first, with `pip --target` into a temporary folder put first on PYTHONPATH: for a
+# machine whose own transformers is too old), BITSANDBYTES (auto: whether it imports, except under --smoke; 0 or 1 to say).
 set -uo pipefail # not -e: a run that fails is a measurement; it is recorded and the part goes on
 CALLER=$PWD # folders given by the caller are read from where it called; the defaults from the repository
 cd "$(dirname "$0")/.." || exit 2
@@ -97,6 +100,21 @@ if command -v python3 >/dev/null 2>&1; then HPY=(python3); else HPY=("${PY[@]}")
 read -r -a EXTRA <<<"${EXTRA_FLAGS:-}"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" # ftkit for an interpreter that did not install it
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=${HF_HUB_OFFLINE:-1} TOKENIZERS_PARALLELISM=false
+if [ -n "${WHEELS:-}" ] && [ "$DRY_RUN" != 1 ]; then # before anything imports the packages they replace
+    SITE=$(mktemp -d) && "${PY[@]}" -m pip install -q --no-index --no-deps --no-compile --target "$SITE" \
+        "$(from_caller "$WHEELS")"/*.whl || {
+        echo "gpu_session.sh: could not install the wheels in WHEELS=$WHEELS" >&2
+        exit 2
+    }
+    export PYTHONPATH="$SITE:$PYTHONPATH"
+fi
+BITSANDBYTES=${BITSANDBYTES:-auto}
+if [ "$BITSANDBYTES" = auto ]; then # QLoRA needs it; a machine without it still measures the bf16 runs
+    BITSANDBYTES=1
+    if [ "$DRY_RUN" != 1 ] && [ "$SMOKE" != 1 ] && ! "${PY[@]}" -c 'import bitsandbytes' >/dev/null 2>&1; then
+        BITSANDBYTES=0
+    fi
+fi
 TODAY=$(date +%Y-%m-%d)
 STAMP=$(date +%Y%m%d-%H%M%S)-$$
 RUN_ROOT=${RUN_ROOT:-runs/gpu-session}/$STAMP
@@ -234,6 +252,17 @@ run_one() { # run_one NAME CAP_S COMMAND...: run it within the part's budget (an
     tail -n 100 "$dir.stdout" >"$dest/stdout.txt"
     printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$rc" "$secs" "$dir" >>"$PART_DIR/runs.tsv"
     echo "[$PART] $name: $status (exit $rc, $secs s)"
+}
+
+skip_one() { # skip_one NAME WHY: recorded as skipped, with why
+    if [ "$DRY_RUN" = 1 ]; then
+        echo "[$PART] $1: skipped ($2)"
+        return 0
+    fi
+    mkdir -p "$PART_DIR/$1"
+    echo "not run: $2" >"$PART_DIR/$1/stderr.txt"
+    printf '%s\tskipped\t\t0\t\n' "$1" >>"$PART_DIR/runs.tsv"
+    echo "[$PART] $1: skipped ($2)"
 }
 
 config_flags() { # the single-gpu-ft flags of a configuration of part b
@@ -409,6 +438,12 @@ part_a() {
         fsdp-tp-ft) extra=(--mesh-shape '1,1') ;; # a 1 x 1 mesh: FSDP over 1, TP over 1
         fsdp-ft-nf4) extra=(--quant nf4) ;;       # QLoRA with the 4-bit base under FSDP2
         esac
+        if [ "$BITSANDBYTES" = 0 ]; then
+            case $s in
+            fsdp-ft-nf4) skip_one "$s" "QLoRA: bitsandbytes does not import here" && continue ;;
+            ddp-ft | single-gpu-ft) extra=(--quant none) ;; # their default is QLoRA; the collectives are the same
+            esac
+        fi
         run_one "$s" "$A_CMD_TIMEOUT_S" "${PY[@]}" -m torch.distributed.run --standalone --nproc_per_node=1 \
             "experiments/$script/train.py" "${COMMON[@]}" --max-steps "$A_STEPS" "${extra[@]}" "${EXTRA[@]}"
     done
@@ -443,6 +478,10 @@ part_b() { # part_b QUANT LABEL
     for c in $CONFIGS; do
         if ! flags=$(config_flags "$c"); then
             echo "[$PART] unknown configuration $c (padded-eager, packed-eager, packed-compiled)" >&2
+            continue
+        fi
+        if [ "$quant" = nf4 ] && [ "$BITSANDBYTES" = 0 ]; then
+            skip_one "$label-$c" "QLoRA: bitsandbytes does not import here"
             continue
         fi
         # shellcheck disable=SC2086 # $flags: words

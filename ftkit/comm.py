@@ -149,7 +149,8 @@ def recording(recorder: CommRecorder) -> Iterator[CommRecorder]:
     (`dist.all_gather_into_tensor(...)`), and restored on exit. A collective implemented by calling another one
     is recorded once, by the outermost call.
     """
-    originals = {name: getattr(dist, name) for name in COLLECTIVES}
+    # A name this torch does not have (2.11 has no all_gather_single) has no caller to record.
+    originals = {name: getattr(dist, name) for name in COLLECTIVES if hasattr(dist, name)}
     local = threading.local()
 
     def wrap(name: str, fn):

@@ -25,7 +25,8 @@ BASH = shutil.which("bash")
 def session(tmp: Path, *args: str, path_first: Path | None = None, **env: str) -> subprocess.CompletedProcess:
     """bash assets/gpu_session.sh ARGS --out tmp/out, with this interpreter and run directories under tmp."""
     environ = {**os.environ, "PYTHON": sys.executable, "RUN_ROOT": str(tmp / "runs"), **env}
-    for name in ("GPU_SESSION_OUT", "SMOKE", "DRY_RUN", "SCRIPTS", "CONFIGS", "PROFILE_CONFIG", "EXTRA_FLAGS"):
+    settings = ("GPU_SESSION_OUT", "SMOKE", "DRY_RUN", "SCRIPTS", "CONFIGS", "PROFILE_CONFIG", "EXTRA_FLAGS")
+    for name in (*settings, "WHEELS", "BITSANDBYTES"):
         if name not in env:
             environ.pop(name, None)
     if path_first is not None:
@@ -197,7 +198,54 @@ def test_gpu_plan_under_a_stand_in_nvidia_smi(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_without_bitsandbytes_the_qlora_runs_are_skipped_and_the_rest_run_bf16(tmp_path):
+    """The lent GPU machines have no bitsandbytes: QLoRA runs would crash after the data is encoded. Part a runs
+    ddp-ft and single-gpu-ft (QLoRA by default) with --quant none and skips fsdp-ft-nf4; b2 skips all three."""
+    smi = fake_smi(tmp_path, "NVIDIA H200")
+    proc = session(tmp_path, "a", "b2", "--dry-run", path_first=smi, BITSANDBYTES="0")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    runs = {line.split()[1]: line for line in lines if "--output-dir" in line}
+    assert "--quant none" in runs["ddp-ft"] and "--quant none" in runs["single-gpu-ft"]
+    assert "--quant" not in runs["fsdp-ft"]  # its default is bf16 LoRA already
+    skipped = [line for line in lines if "skipped (QLoRA: bitsandbytes does not import here)" in line]
+    assert [line.split()[1] for line in skipped] == [
+        "fsdp-ft-nf4:",
+        "qlora-packed-compiled:",
+        "qlora-padded-eager:",
+        "qlora-packed-eager:",
+    ]
+    assert "fsdp-ft-nf4" not in runs and not any(name.startswith("qlora") for name in runs)
+    with_bnb = session(tmp_path, "a", "--dry-run", path_first=smi, BITSANDBYTES="1")
+    assert "--quant none" not in with_bnb.stdout and "fsdp-ft-nf4 (timeout" in with_bnb.stdout
+
+
 def test_without_a_gpu_it_refuses_unless_smoke(tmp_path):
     proc = session(tmp_path, "a", path_first=fake_smi(tmp_path, "", rc=9), PYTHON="false")
     assert proc.returncode == 2 and "--smoke runs the CPU stand-ins" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_the_h200_sessions_table_is_its_runs_summaries():
+    """devlogs/runs/gpu-session-2026-11-26-gpu/README.md's table: each number from the run's summary.json and
+    metrics.jsonl, as report.md computes them (median step, median tokens/s, tokens/s over steps 2..N, MFU, peak)."""
+    folder = ROOT / "devlogs" / "runs" / "gpu-session-2026-11-26-gpu"
+    rows = {}
+    for line in (folder / "README.md").read_text().splitlines():
+        if line.startswith(("| padded (", "| packed (")):
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            rows[cells[0].split()[0]] = cells[1:]
+    assert set(rows) == {"padded", "packed"}
+    for name, cells in rows.items():
+        run = folder / "b1-lora-h200-2" / f"lora-{name}-eager"
+        s = json.loads((run / "summary.json").read_text())
+        late = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()][1:]
+        late_tok_s = sum(r["tokens"] for r in late) / sum(r["step_time_s"] for r in late)
+        assert s["hardware"]["gpu"] == "NVIDIA H200" and s["versions"]["torch"] == "2.11.0"
+        assert cells == [
+            f"{s['median_step_time_s']:.2f} s",
+            f"{s['median_tokens_per_s']:,.0f}",
+            f"{late_tok_s:,.0f}",
+            f"{s['median_mfu']:.1%}",
+            f"{s['max_peak_allocated'] / 2**30:.2f} GiB",
+        ]
