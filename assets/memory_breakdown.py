@@ -25,7 +25,8 @@ from ftkit.memory import (
 
 # The setting of every bar unless its label says otherwise: the reference configuration (the scripts' defaults,
 # README), with the lm_head on 256 answer positions per sequence, as the planner and ftkit.realscale assume (the
-# scripts run it on the answer positions only; the most the committed H100 runs met was 191).
+# scripts run it on the answer positions only; the most the committed H100 runs met was 200:
+# devlogs/runs/single-gpu-ft-gpu/memory-check-*.md).
 COMMON = dict(
     seq_len=2048, micro_batch_size=2, lora_rank=16, lora_dropout=0.05, grad_checkpointing=True, logit_positions=256
 )
@@ -88,26 +89,40 @@ def seq_table() -> str:
     return "\n".join(lines)
 
 
+def bars(rows: list[tuple[str, MemoryPrediction]]) -> list[tuple[str, dict[str, float]]]:
+    """What the figure draws, top bar first: each configuration's segments in GiB (the COMPONENTS' fields, in
+    their order, left to right) and the total its label prints."""
+    drawn = []
+    for label, p in rows:
+        segments = {field: getattr(p, field) / GIB for field, _, _ in COMPONENTS}
+        drawn.append((label, {**segments, "total": sum(segments.values())}))
+    return drawn
+
+
+def title() -> str:
+    c = COMMON
+    return (
+        "Qwen3-4B finetuning, per-GPU memory: memory model (predicted), not measured\n"
+        f"seq {c['seq_len']}, micro-batch {c['micro_batch_size']}, LoRA r={c['lora_rank']} "
+        f"(dropout {c['lora_dropout']}) on all 7 projections,\n"
+        f"activation checkpointing on unless noted; the lm_head on {c['logit_positions']} answer positions per sequence"
+    )
+
+
 def plot(rows: list[tuple[str, MemoryPrediction]], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(10.5, 6.6))
-    labels = [label for label, _ in rows][::-1]  # first configuration on top
-    preds = [p for _, p in rows][::-1]
-    left = [0.0] * len(preds)
+    drawn = bars(rows)[::-1]  # barh draws bottom up: the first configuration on top
+    labels = [label for label, _ in drawn]
+    left = [0.0] * len(drawn)
     for field, legend, colour in COMPONENTS:
-        values = [getattr(p, field) / GIB for p in preds]
+        values = [gib[field] for _, gib in drawn]
         ax.barh(labels, values, left=left, color=colour, label=legend, height=0.65)
         left = [a + b for a, b in zip(left, values, strict=True)]
-    for y, total in enumerate(left):
-        ax.text(total + 0.6, y, f"{total:.1f} GiB", va="center", fontsize=9)
+    for y, (_, gib) in enumerate(drawn):
+        ax.text(gib["total"] + 0.6, y, f"{gib['total']:.1f} GiB", va="center", fontsize=9)
     ax.set_xlim(0, max(left) * 1.15)
     ax.set_xlabel("GiB per GPU (busiest rank)")
-    ax.set_title(
-        "Qwen3-4B finetuning, per-GPU memory: memory model (predicted), not measured\n"
-        "seq 2048, micro-batch 2, LoRA r=16 (dropout 0.05) on all 7 projections,\n"
-        "activation checkpointing on unless noted; the lm_head on 256 answer positions per sequence",
-        fontsize=10,
-        loc="left",
-    )
+    ax.set_title(title(), fontsize=10, loc="left")
     ax.legend(loc="lower right", fontsize=9, frameon=False)
     ax.spines[["top", "right"]].set_visible(False)
     fig.tight_layout()

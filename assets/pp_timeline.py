@@ -7,6 +7,10 @@ devlog.
 
     uv run python assets/pp_timeline.py RUN_DIR... --out assets/pp_timeline.png \
         [--devlog devlogs/pp-ft.md --table RUN_DIR...]
+    uv run python assets/pp_timeline.py      # the committed figure: FIGURE_RUNS, as assets/pp_runs.sh draws it
+
+`panel(run_dir)` returns what one row of the figure shows (its boxes and its title's numbers), for
+tests/test_figure_pp_timeline.py to check against the run's files without drawing.
 """
 
 from __future__ import annotations
@@ -23,6 +27,45 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 # forward, loss (last stage), backward; its input-gradient and weight-gradient halves
 COLORS = {"F": "#4C72B0", "L": "#55A868", "B": "#DD8452", "I": "#C44E52", "W": "#8172B3"}
+RUNS = Path(__file__).resolve().parents[1] / "devlogs" / "runs" / "pp-ft"
+# The committed figure's rows, top to bottom (assets/pp_runs.sh passes the same list).
+FIGURE_RUNS = ("cpu-gpipe-m8", "cpu-1f1b-m8", "cpu-interleaved-m8", "cpu-zbv-m8-no-ckpt", "cpu-zbv-m8")
+
+
+def panel(run_dir: Path) -> dict:
+    """One row of the figure: a box per action of the run's last step (rank, kind, micro-batch, start and width in
+    ms since the step's first action, drawn lighter on a rank's second stage) and its title's numbers (the
+    summary's bubble and equal-cost theory, the schedule's layout, whether checkpointing was on)."""
+    timeline = json.loads((run_dir / "timeline.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    events = timeline["events"]
+    start = min(e[3] for rank in events for e in rank)
+    boxes = [
+        {
+            "rank": rank,
+            "stage": stage,
+            "kind": kind,
+            "microbatch": mb,
+            "start_ms": (t0 - start) * 1e3,
+            "width_ms": (t1 - t0) * 1e3,
+            # Interleaved and V: the rank's second stage (a later model chunk) is drawn lighter.
+            "alpha": 1.0 if stage < timeline["ranks"] else 0.55,
+        }
+        for rank, rank_events in enumerate(events)
+        for stage, kind, mb, t0, t1 in rank_events
+    ]
+    pipe = summary["pipeline"]
+    return {
+        "run": run_dir.name,
+        "ranks": len(events),
+        "schedule": pipe["schedule"],
+        "stages_per_rank": pipe["stages_per_rank"],
+        "microbatches": pipe["microbatches"],
+        "bubble": summary["bubble"],
+        "bubble_theory": summary["bubble_theory"],
+        "checkpointing": summary["config"].get("grad_checkpointing", True),
+        "boxes": boxes,
+    }
 
 
 def bubble_table(runs: list[Path]) -> str:
@@ -67,53 +110,49 @@ def write_table(devlog: Path, runs: list[Path]) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("runs", nargs="+", type=Path, help="run directories holding timeline.json and summary.json")
+    p.add_argument(
+        "runs", nargs="*", type=Path, help="run directories holding timeline.json and summary.json [FIGURE_RUNS]"
+    )
     p.add_argument("--out", type=Path, default=Path(__file__).parent / "pp_timeline.png")
     p.add_argument("--devlog", type=Path, default=None, help="devlog whose bubble table to rewrite")
     p.add_argument("--table", nargs="*", type=Path, default=[], help="run directories for the bubble table")
     args = p.parse_args()
+    runs = args.runs or [RUNS / name for name in FIGURE_RUNS]
     if args.devlog is not None:
         write_table(args.devlog, args.table)
-    fig, axes = plt.subplots(len(args.runs), 1, figsize=(11, 1.6 + 1.2 * len(args.runs)), squeeze=False)
-    for ax, run_dir in zip(axes[:, 0], args.runs):
-        timeline = json.loads((run_dir / "timeline.json").read_text())
-        summary = json.loads((run_dir / "summary.json").read_text())
-        events = timeline["events"]
-        start = min(e[3] for rank in events for e in rank)
-        for rank, rank_events in enumerate(events):
-            for stage, kind, mb, t0, t1 in rank_events:
-                # Interleaved: the rank's second stage (a later model chunk) is drawn lighter.
-                alpha = 1.0 if stage < timeline["ranks"] else 0.55
-                ax.barh(
-                    rank,
-                    (t1 - t0) * 1e3,
-                    left=(t0 - start) * 1e3,
-                    color=COLORS[kind],
-                    alpha=alpha,
-                    edgecolor="black",
-                    linewidth=0.4,
-                )
-                ax.text(
-                    (t0 + t1) / 2 * 1e3 - start * 1e3,
-                    rank,
-                    f"{kind}{mb}",
-                    ha="center",
-                    va="center",
-                    fontsize=6,
-                    color="white",
-                )
-        ax.set_yticks(range(len(events)), [f"rank {r}" for r in range(len(events))])
+    fig, axes = plt.subplots(len(runs), 1, figsize=(11, 1.6 + 1.2 * len(runs)), squeeze=False)
+    for ax, run_dir in zip(axes[:, 0], runs):
+        row = panel(run_dir)
+        for box in row["boxes"]:
+            ax.barh(
+                box["rank"],
+                box["width_ms"],
+                left=box["start_ms"],
+                color=COLORS[box["kind"]],
+                alpha=box["alpha"],
+                edgecolor="black",
+                linewidth=0.4,
+            )
+            ax.text(
+                box["start_ms"] + box["width_ms"] / 2,
+                box["rank"],
+                f"{box['kind']}{box['microbatch']}",
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white",
+            )
+        ax.set_yticks(range(row["ranks"]), [f"rank {r}" for r in range(row["ranks"])])
         ax.invert_yaxis()
-        pipe = summary["pipeline"]
         ax.set_title(
-            f"{pipe['schedule']}: {pipe['ranks']} ranks x {pipe['stages_per_rank']} stage(s), m={pipe['microbatches']}"
-            f" - bubble measured {summary['bubble']:.2f} (median of steps 2..N, mean of ranks),"
-            f" theory {summary['bubble_theory']:.2f}"
-            f"{'' if summary['config'].get('grad_checkpointing', True) else ', no activation checkpointing'}",
+            f"{row['schedule']}: {row['ranks']} ranks x {row['stages_per_rank']} stage(s), m={row['microbatches']}"
+            f" - bubble measured {row['bubble']:.2f} (median of steps 2..N, mean of ranks),"
+            f" theory {row['bubble_theory']:.2f}"
+            f"{'' if row['checkpointing'] else ', no activation checkpointing'}",
             fontsize=9,
         )
         ax.set_xlabel("ms since the step's first action (last step of the run)")
-    hw = json.loads((args.runs[0] / "summary.json").read_text())["hardware"]
+    hw = json.loads((runs[0] / "summary.json").read_text())["hardware"]
     fig.suptitle(
         f"Pipeline schedules as measured: tiny Qwen3 on CPU ({hw['cpu_count']} cores, gloo); F forward, L loss, "
         "B backward = I input + W weight gradient (darker: a rank's first stage)",

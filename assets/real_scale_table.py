@@ -1,6 +1,8 @@
 """The table of the fake-tensor runs at Qwen3-4B's shape recorded in devlogs/runs/realscale/ (ftkit.realscale's
 JSON output), as markdown, and what is covered: for every technique at world sizes 1, 2, 4 and 8, the runs'
-tracked / predicted peak (checkpointing on and off), ftkit.realscale's refusal, or that it has not been run:
+tracked / predicted peak (checkpointing on and off), ftkit.realscale's refusal, or that it has not been run. The
+FLOPs columns divide the counted FLOPs by `metrics.step_flops` with the lm_head at every token (the MFU convention
+until 2026-11-25) and with the lm_head at the positions the step computes logits at (the MFU convention since):
 
     uv run python assets/real_scale_table.py
 """
@@ -51,7 +53,8 @@ def main() -> None:
     runs = []
     print(
         "| run | technique | world | global batch | micro-steps run | checkpointing | tracked peak GiB | predicted GiB "
-        "| tracked / predicted | FLOPs counted / convention | counted / convention at the logits computed "
+        "| tracked / predicted | FLOPs counted / convention with the lm_head at every token "
+        "| counted / MFU convention (the lm_head at the logits computed) "
         "| with recompute / counted | bf16 share of matmul FLOPs |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")

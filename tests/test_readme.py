@@ -181,8 +181,9 @@ def test_fsdp_tp_walkthrough_sends_what_its_summary_says_with_checkpointing(walk
 
 def test_tp_sp_walkthrough_sends_what_its_summary_says_with_checkpointing(walkthroughs):
     """The walkthrough runs tp-sp-ft with checkpointing (tests/test_tp.py turns it off): the recompute repeats each
-    block's forward all-gather and reduce-scatter, and the embedding output requires grad, so layer 0's attention
-    reduce-scatters its input gradient too. Its summary's theory, kind by kind, is what was recorded."""
+    block's forward all-gather and the attention's reduce-scatter (it stops before the MLP's exit, whose output
+    nothing saves), and the embedding output requires grad, so layer 0's attention reduce-scatters its input
+    gradient too. Its summary's theory, kind by kind, is what was recorded."""
     proc, out = walkthroughs["tp-sp-ft"]
     assert proc.returncode == 0
     s = json.loads((out / "summary.json").read_text())
