@@ -77,6 +77,13 @@ def _add_model_data_and_run(g: argparse._ArgumentGroup) -> None:
         + "]",
     )
     g.add_argument(
+        "--task",
+        choices=["all", "spans", "meetings"],
+        default=None,
+        help="the queries trained and evaluated on: QMSum's span queries, its whole-meeting summaries (9-20k tokens "
+        "of Qwen3's vocabulary; cp-ft's default) or both [all]",
+    )
+    g.add_argument(
         "--output-dir",
         type=Path,
         default=None,
@@ -196,6 +203,7 @@ def add_dump_flags(group: argparse._ArgumentGroup) -> None:
 SMOKE = dict(
     model="tiny",
     data=DEFAULT_DATA,
+    task="all",
     max_steps=30,
     max_length=512,
     batch_size=8,
@@ -213,6 +221,7 @@ SMOKE = dict(
 REAL = dict(
     model="Qwen/Qwen3-4B",
     data=DEFAULT_DATA,
+    task="all",
     max_steps=100,
     max_length=2048,
     batch_size=16,

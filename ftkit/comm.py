@@ -252,6 +252,10 @@ NOTES = {
     "tp-sp-ft": "per optimizer step, every torch.distributed collective inside the step (ftkit/comm.py): "
     "bytes of the whole buffer (all-reduce tensor, all-gather output, reduce-scatter input); the metrics' "
     "own reductions and the adapter reassembly are not counted",
+    "cp-ft": "per optimizer step, every torch.distributed collective inside the step (ftkit/comm.py): the K and V "
+    "all-gathers (bytes of the gathered output) in forward and in checkpointing's recompute, their gradients' "
+    "reduce-scatters (bytes of the input) and the LoRA gradients' all-reduce; the loss and eval all-reduces are "
+    "not counted",
     "pp-ft": "per optimizer step, all ranks together: the point-to-point sends between stages (activations "
     "forward, their gradients backward), counted where the stages build them; time is not measured",
 }

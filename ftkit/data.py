@@ -344,6 +344,15 @@ class ChatFormatter:
         return out, stats
 
 
+# --task: which kinds of example a run trains and evaluates on.
+TASKS = {"all": ("span", "meeting"), "spans": ("span",), "meetings": ("meeting",)}
+
+
+def task_examples(splits: dict[str, list[Example]], task: str) -> dict[str, list[Example]]:
+    """Each split's examples of `task` (TASKS), in their order."""
+    return {name: [ex for ex in examples if ex.kind in TASKS[task]] for name, examples in splits.items()}
+
+
 def corpus(examples: Sequence[Example]) -> list[str]:
     """The distinct texts of some examples, in order: what the tiny tokenizer is trained on."""
     seen = dict.fromkeys(t for ex in examples for t in (ex.transcript, ex.query, ex.answer))

@@ -60,10 +60,12 @@ def check_adapter(adapter: Path) -> None:
         ) from e
 
 
-def held_out(examples: Sequence[data.Example], n: int) -> list[data.Example]:
-    """The first n span-level examples, in the dataset's order (deterministic), else whole meetings."""
+def held_out(examples: Sequence[data.Example], n: int, task: str = "all") -> list[data.Example]:
+    """The first n examples of the run's --task in the dataset's order (deterministic): span-level ones first
+    for `all`, whole meetings where there are no spans."""
+    examples = [ex for ex in examples if ex.kind in data.TASKS[task]]
     spans = [ex for ex in examples if ex.kind == "span"]
-    return (spans or list(examples))[:n]
+    return (spans or examples)[:n]
 
 
 @torch.no_grad()
@@ -159,7 +161,7 @@ def infer_main(description: str, experiment: str, finetuned, add_flags=None, che
         if check:
             check(args, cfg)
         tokenizer, formatter, splits, base = load_for_inference(cfg, device)
-        examples = held_out(splits[args.split], args.num_examples)
+        examples = held_out(splits[args.split], args.num_examples, cfg.get("task", "all"))
         base_out = summarize(base, tokenizer, formatter, examples, args.max_new_tokens, device)
         model = finetuned(base, cfg, args, device)
         tuned_out = summarize(model, tokenizer, formatter, examples, args.max_new_tokens, device)

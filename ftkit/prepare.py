@@ -36,6 +36,7 @@ def encode_data(args: argparse.Namespace, splits: dict) -> tuple:
 
     with ranks.rank0_first():
         tokenizer = models.load_tokenizer(args.model, data.corpus(splits["train"]))
+    splits = data.task_examples(splits, getattr(args, "task", "all"))  # a run's config from before --task: all
     formatter = data.ChatFormatter(tokenizer, args.max_length)
     train_set, train_stats = formatter.encode_all(splits["train"])
     val_set, _ = formatter.encode_all(splits["val"])

@@ -26,6 +26,7 @@ RUNS = Path("runs")
 RESUME_MUST_MATCH = (
     "model",
     "data",
+    "task",
     "seed",
     "max_steps",
     "max_length",

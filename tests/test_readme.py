@@ -19,7 +19,7 @@ from conftest import ROOT
 
 # Spelled in two parts so that this file does not match itself.
 OUTSIDE = "../" + "shared"
-EXPERIMENTS = ("single-gpu-ft", "ddp-ft", "fsdp-ft", "tp-ft", "tp-sp-ft", "pp-ft", "fsdp-tp-ft")
+EXPERIMENTS = ("single-gpu-ft", "ddp-ft", "fsdp-ft", "tp-ft", "tp-sp-ft", "pp-ft", "fsdp-tp-ft", "cp-ft")
 
 
 def repository_text_files() -> list[str]:

@@ -1,0 +1,349 @@
+"""Context parallel LoRA: finetune Qwen3-4B on whole meetings, each sequence split along its length over GPUs.
+
+A whole AMI meeting is 16-32k tokens of Qwen3's vocabulary, and one sequence's activations at 32k no longer fit a
+24 GB card. Context parallelism (CP) cuts every sequence into 2 x --cp chunks, and rank r holds chunks r and
+2cp-1-r, so that every rank has as much causal attention to compute (Brandon et al. 2023, arXiv 2311.09431;
+Llama 3, Dubey et al. 2024, arXiv 2407.21783, Sec. 3.3.2):
+
+    --cp 2:   | c0 | c1 | c2 | c3 |      rank 0: c0 + c3      rank 1: c1 + c2
+    causal work:  1    2    3    4       1 + 4 = 5            2 + 3 = 5
+
+Everything but attention works token by token, so each rank runs the model on its own tokens, RoPE at their global
+positions. Attention needs every earlier key: each layer all-gathers K and V (8 KV heads, before GQA repeats them
+for the 32 query heads: a quarter of Q's bytes) and each local chunk attends causally to the keys up to its end;
+backward reduce-scatters their gradients to the ranks that own them. The loss is each rank's answer tokens over
+the global batch's target tokens, and the LoRA gradients are summed over the ranks, as DDP's all-reduce does.
+
+    uv run torchrun --nproc_per_node=2 experiments/cp-ft/train.py            # Qwen3-4B, whole meetings, 32k tokens
+    uv run torchrun --nproc_per_node=2 experiments/cp-ft/train.py --smoke    # CPU, gloo
+
+One row per meeting, right-padded to a multiple of 2 x cp: packing does not apply to one sequence per row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from peft import set_peft_model_state_dict
+from torch.nn.attention.bias import causal_lower_right
+from transformers import AttentionInterface
+
+from ftkit import (
+    batching,
+    checkpoint,
+    cli,
+    comm,
+    compilation,
+    errors,
+    lora,
+    metrics,
+    models,
+    optim,
+    prepare,
+    ranks,
+    rundir,
+)
+from ftkit.profiling import StepProfiler
+
+# The reference configuration of this experiment: whole meetings, one per micro-batch, at Qwen3-4B's 32k context.
+REAL = dict(task="meetings", max_length=32768, micro_batch_size=1, batch_size=8)
+# The walkthrough: the tiny tokenizer's whole meetings are 1.7k-21k tokens; 4,096 keeps the nine shortest.
+SMOKE = dict(task="meetings", max_length=4096, micro_batch_size=1, batch_size=2)
+EAGER_BECAUSE = "cp-ft's attention calls collectives inside a hand-written autograd Function (gather_kv)"
+CP_MEMORY_NOTE = (
+    "; cp-ft's prediction: the single-GPU model at --max-length / cp tokens (each rank's share), without the one "
+    "layer's gathered K and V (4 KiB per token at Qwen3-4B)"
+)
+TRAP = (
+    "cp-ft's attention got a mask: where transformers builds masks for an attention (as for its own SDPA), it reads "
+    "the chunks' position ids, which jump from one chunk to the next, as packed sequences and masks them apart; "
+    "pass attention_mask={'full_attention': None}"
+)
+
+
+def parse_args():
+    p = cli.common_parser(__doc__.splitlines()[0], experiment="cp-ft")
+    p.add_argument("--cp", type=int, default=None, help="ranks each sequence is split over [the world size]")
+    args = p.parse_args()
+    for key, value in (SMOKE if args.smoke else REAL).items():  # this experiment's own defaults
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.packing = False
+    return cli.resolve(args)
+
+
+class GatherKV(torch.autograd.Function):
+    """K or V of every rank's chunks [cp, batch, kv heads, local tokens, dim]: all-gather forward; backward
+    reduce-scatters, so each rank gets, summed over the ranks, the gradient every query put on its keys."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x, world = x.contiguous(), dist.get_world_size(group)
+        out = x.new_empty((world * x.shape[0], *x.shape[1:]))  # the ranks' tensors one after another along dim 0
+        dist.all_gather_into_tensor(out, x, group=group)
+        return out.view(world, *x.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = grad.new_empty(grad.shape[1:])
+        dist.reduce_scatter_tensor(out, grad.reshape(-1, *grad.shape[2:]).contiguous(), group=ctx.group)
+        return out, None
+
+
+class Chunks:
+    """Which chunks of the padded sequence this rank holds: chunk r and chunk 2cp-1-r, `size` tokens each."""
+
+    def __init__(self, cp: int, rank: int, length: int):
+        self.cp, self.size = cp, length // (2 * cp)
+        self.mine = (rank, 2 * cp - 1 - rank)
+        # Where each global chunk sits in the gathered tensor: (rank, slot 0 or 1)
+        self.home = [(c, 0) if c < cp else (2 * cp - 1 - c, 1) for c in range(2 * cp)]
+
+    def local(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's tokens of a [rows, seq] tensor: its two chunks, in order."""
+        return torch.cat([x[:, c * self.size : (c + 1) * self.size] for c in self.mine], dim=1)
+
+
+CHUNKS: Chunks | None = None  # the current micro-batch's, set before its forward (and its backward's recompute)
+
+
+def cp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Causal attention of this rank's query chunks over every earlier key ([batch, heads, tokens, dim] in,
+    [batch, tokens, heads, dim] out, as transformers' attention functions). K and V are gathered with their 8 KV
+    heads; each chunk c's queries attend to keys 0 .. (c+1) x size, causally aligned at the bottom right."""
+    if attention_mask is not None:
+        raise RuntimeError(TRAP)
+    group, n = dist.group.WORLD, CHUNKS.size
+    k_all, v_all = GatherKV.apply(key, group), GatherKV.apply(value, group)
+    # The gathered chunks in sequence order: global chunk c is slot s of rank r's local tokens.
+    k_seq = torch.cat([k_all[r][:, :, s * n : (s + 1) * n] for r, s in CHUNKS.home], dim=2)
+    v_seq = torch.cat([v_all[r][:, :, s * n : (s + 1) * n] for r, s in CHUNKS.home], dim=2)
+    # GQA after the gather: each KV head serves query heads // KV heads query heads (repeated here, not sent).
+    repeat = query.shape[1] // key.shape[1]
+    k_seq, v_seq = k_seq.repeat_interleave(repeat, dim=1), v_seq.repeat_interleave(repeat, dim=1)
+    outs = []
+    for slot, c in enumerate(CHUNKS.mine):
+        q = query[:, :, slot * n : (slot + 1) * n]
+        k, v = k_seq[:, :, : (c + 1) * n], v_seq[:, :, : (c + 1) * n]
+        outs.append(
+            F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, (c + 1) * n), scale=scaling)
+        )
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register("cp", cp_attention)
+
+
+def shard(mb: dict, cp: int, rank: int) -> dict:
+    """This rank's part of a padded micro-batch: its two chunks' input ids and global positions, and the answer
+    positions among its tokens with their targets (a rank with none keeps one position and no target: its backward
+    must still run, for the collectives)."""
+    global CHUNKS
+    mb = batching.pad_to_multiple(mb, 2 * cp)
+    rows, length = mb["input_ids"].shape
+    CHUNKS = Chunks(cp, rank, length)
+    positions = CHUNKS.local(torch.arange(length).expand(rows, length))
+    labels = mb["labels"]
+    nxt = torch.cat([labels[:, 1:], torch.full((rows, 1), batching.IGNORE_INDEX)], dim=1)  # the token each predicts
+    targets = CHUNKS.local(nxt)
+    keep = [torch.nonzero(t != batching.IGNORE_INDEX).flatten() for t in targets]
+    k = max(1, max(len(i) for i in keep))
+    logit_positions = torch.zeros((rows, k), dtype=torch.long)
+    picked = torch.full((rows, k), batching.IGNORE_INDEX, dtype=torch.long)
+    for r, idx in enumerate(keep):
+        logit_positions[r, : len(idx)] = idx
+        picked[r, : len(idx)] = targets[r, idx]
+    return {
+        "input_ids": CHUNKS.local(mb["input_ids"]),
+        "position_ids": positions,
+        "logit_positions": logit_positions,
+        "targets": picked,
+    }
+
+
+def forward_loss(model, mb: dict, device, dtype) -> torch.Tensor:
+    """The sum of this rank's token losses on its part of a micro-batch."""
+    mb = batching.to_device(mb, device)
+    with lora.compute_autocast(device, dtype):
+        out = model(
+            input_ids=mb["input_ids"],
+            position_ids=mb["position_ids"],
+            attention_mask={"full_attention": None},  # no mask: cp_attention masks by chunk (the TRAP otherwise)
+            logits_to_keep=mb["logit_positions"],
+            use_cache=False,
+        )
+        return batching.token_loss_sum(out.logits, mb["targets"])
+
+
+def main() -> None:
+    args = parse_args()
+    ranks.torchrun_local_rank()
+    world = int(os.environ["WORLD_SIZE"])
+    cp = args.cp or world
+    # Refused before the group and the model, on every rank alike.
+    if cp <= 0 or world % cp:
+        raise errors.RunError(f"--cp {cp} must divide the world size {world}")
+    if cp != world:
+        raise errors.RunError(
+            f"cp-ft splits each sequence over every rank (no data parallelism yet): pass --cp {world}, or run "
+            f"--nproc_per_node={cp}"
+        )
+    if args.max_length % (2 * cp):
+        fit = -(-args.max_length // (2 * cp)) * 2 * cp
+        raise errors.RunError(
+            f"--max-length {args.max_length} cannot be cut into 2 x --cp = {2 * cp} equal chunks: pass --max-length "
+            f"{fit}"
+        )
+    config = models.model_config(args.model)
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"]):
+        raise errors.RunError(f"cp-ft's attention is full causal attention; {args.model} has {config.layer_types}")
+
+    device, splits = prepare.start_ranks(args)
+    rank = dist.get_rank()
+    dtype = cli.torch_dtype(args.dtype)
+    run_dir, resume_from = ranks.on_rank0(rundir.resolve, args)
+
+    # ---- data: whole meetings (--task meetings), one padded row each. Every rank takes the same micro-batches.
+    tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
+    batches = batching.global_batches(args, train_set)
+    accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
+    eval_set = sorted(val_set[: args.eval_examples], key=lambda e: -len(e.input_ids))
+    eval_batches = [
+        batching.collate(eval_set[i : i + args.micro_batch_size])
+        for i in range(0, len(eval_set), args.micro_batch_size)
+    ]
+
+    # ---- model: the whole bf16 base on every rank, its attention `cp`, LoRA from --seed: every rank the same
+    with ranks.rank0_first():
+        model = models.load_model(
+            args.model, quant="none", dtype=dtype, device=device, seed=args.seed, vocab_size=len(tokenizer), attn="cp"
+        )
+    config = model.config
+    if args.grad_checkpointing:  # the recompute in backward runs cp_attention again, gathers included
+        lora.checkpoint_activations(model)
+    model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+    checkpoint.seed_dropout(args.seed, stream=rank)  # each rank's tokens differ, and so do its dropout masks
+    compiled = compilation.compile_layers(model, args.compile, eager_because=EAGER_BECAUSE)
+    model = lora.adapters_compute_in(model, dtype)
+    counts = models.parameter_counts(model)
+    ranks.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen; cp {cp}")
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer, scheduler = optim.adamw_cosine(trainable, args)
+    recorder = comm.CommRecorder(device)
+
+    # ---- resume: the adapter and optimizer are the same on every rank (rank 0 saved them); each rank its RNG
+    start_step = 0
+    if resume_from is not None:
+        state = checkpoint.read_state(resume_from, ("adapter/adapter_model.safetensors", "optimizer.pt"))
+        weights = safetensors.torch.load_file(resume_from / "adapter" / "adapter_model.safetensors")
+        set_peft_model_state_dict(model, weights)
+        opt = checkpoint.load_torch(resume_from / "optimizer.pt")
+        optimizer.load_state_dict(opt["optimizer"])
+        scheduler.load_state_dict(opt["scheduler"])
+        checkpoint.restore_rng(resume_from, state, rank, world)
+        start_step = state["step"]
+
+    log = rundir.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, cp=cp)
+
+    def save_checkpoint(step: int) -> None:
+        rng = [None] * world if rank == 0 else None
+        dist.gather_object(checkpoint.rng_state(), rng, dst=0)
+        if rank == 0:
+            tmp = checkpoint.staging_dir(run_dir, step)
+            model.save_pretrained(tmp / "adapter", save_embedding_layers=False)
+            torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, tmp / "optimizer.pt")
+            for r, state in enumerate(rng):
+                torch.save(state, tmp / f"rng-rank{r}.pt")
+            checkpoint.commit(tmp, step, {"seed": args.seed, "world_size": world}, args.keep_checkpoints)
+        dist.barrier()
+
+    @torch.no_grad()
+    def eval_loss() -> float:
+        model.eval()
+        sums = torch.zeros(2, dtype=torch.float64, device=device)
+        for mb in eval_batches:
+            part = shard(mb, cp, rank)
+            sums[0] += forward_loss(model, part, device, dtype).double()
+            sums[1] += (part["targets"] != batching.IGNORE_INDEX).sum()
+        dist.all_reduce(sums)  # each rank's answer tokens: the sum is the whole set's
+        model.train()
+        return (sums[0] / sums[1]).item()
+
+    # ---- train
+    model.train()
+    last_step = args.stop_after or args.max_steps
+    with StepProfiler(args.profile_steps, run_dir, device, rank, start_step=start_step) as profiler:
+        for step in range(start_step, last_step):
+            metrics.reset_peak_memory(device)
+            n_target = batches.n_target(step)  # the whole global batch's target tokens: the loss denominator
+            loss_sum = torch.zeros((), device=device)
+            with metrics.StepTimer(device) as timer, comm.recording(recorder):
+                for mb in batches.micro_batches(step, args.micro_batch_size):
+                    loss = forward_loss(model, shard(mb, cp, rank), device, dtype) / n_target
+                    loss.backward()  # every rank, answer tokens or not: its gathers' reduce-scatters are collectives
+                    loss_sum += loss.detach()
+                # Each rank's gradients are its tokens' share of the step's: summed, they are the whole gradient.
+                # One all-reduce of all of them, flattened into one buffer (33 M fp32 values at Qwen3-4B).
+                grads = [p.grad for p in trainable]
+                flat = torch.cat([g.flatten() for g in grads])
+                dist.all_reduce(flat)
+                torch._foreach_copy_(grads, torch._utils._unflatten_dense_tensors(flat, grads))
+                clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
+                grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)  # the same on every rank
+                lr = optim.optimizer_step(optimizer, scheduler)
+            dist.all_reduce(loss_sum)
+            global_loss, grad_norm = metrics.host_values(loss_sum, grad_norm)
+            row = log.row(
+                step=step + 1,
+                loss=global_loss,
+                grad_norm=grad_norm,
+                lr=lr,
+                target_tokens=n_target,
+                lengths=batches.lengths(step),
+                seconds=timer.seconds,
+                comm=recorder.take(),
+                **batches.layout(step, args.micro_batch_size, multiple=2 * cp),
+            )
+            if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
+                row["eval_loss"] = eval_loss()
+            log.log(row)
+            if (step + 1) % args.save_every == 0 or step + 1 == args.stop_after:
+                save_checkpoint(step + 1)
+            profiler.step(step + 1)
+    log.close()
+
+    # ---- save: a stock PEFT adapter from rank 0 (every rank holds the same one)
+    finished = last_step == args.max_steps
+    if rank != 0:
+        return
+    if finished:
+        model.save_pretrained(run_dir / "adapter", save_embedding_layers=False)
+    # What theory says a step sends: per layer and padded token, K and V (8 heads x 128 x bf16 at Qwen3-4B: 4 KiB)
+    # all-gathered in forward, again in the recompute under checkpointing, and their gradients reduce-scattered; then
+    # the LoRA gradients' one all-reduce. Bytes of the whole buffers, as recorded.
+    kv = 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize
+    passes = (2 if args.grad_checkpointing else 1) + 1
+    steps = [r["step"] - 1 for r in log.rows]
+    padded = [batches.padded_tokens(s, args.micro_batch_size, multiple=2 * cp) for s in steps]
+    theory = kv * config.num_hidden_layers * passes * sum(padded) / max(1, len(padded)) + comm.nbytes(trainable)
+    local = argparse.Namespace(**{**vars(args), "max_length": args.max_length // cp})
+    summary = log.run_summary(
+        last_step,
+        predicted=metrics.predicted_memory(config, local, "single"),
+        note=metrics.memory_note(device) + CP_MEMORY_NOTE,
+        compile=compilation.compile_report(compiled),
+        comm_theory_bytes_per_step=theory,
+        **comm.summarize(log.rows),
+        comm_note=comm.NOTES["cp-ft"],
+    )
+    rundir.finish(args, run_dir, summary, finished)
+
+
+if __name__ == "__main__":
+    ranks.launch(main)
