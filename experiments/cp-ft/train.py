@@ -214,6 +214,12 @@ def main() -> None:
     batches = batching.global_batches(args, train_set)
     accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
     eval_set = sorted(val_set[: args.eval_examples], key=lambda e: -len(e.input_ids))
+    if not train_set or not eval_set:
+        raise errors.RunError(
+            f"--task {args.task} at --max-length {args.max_length} keeps no training or held-out "
+            "example: raise --max-length (whole meetings are 9-20k tokens; 2,592 keeps one of each "
+            "with --smoke)"
+        )
     eval_batches = [
         batching.collate(eval_set[i : i + args.micro_batch_size])
         for i in range(0, len(eval_set), args.micro_batch_size)
