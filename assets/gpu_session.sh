@@ -11,7 +11,7 @@
 #   a    every experiments/*/train.py at world 1 under `torchrun --nproc_per_node=1`, CUDA + NCCL, 3 steps each
 #        (the NCCL code paths, crash or not: exit code and the end of stderr recorded, the next script runs
 #        anyway); each script at most A_CMD_TIMEOUT_S (360 s), in the order ddp-ft fsdp-ft tp-ft tp-sp-ft
-#        fsdp-tp-ft pp-ft single-gpu-ft (the last has no collective), then fsdp-ft-nf4 (fsdp-ft --quant nf4,
+#        fsdp-tp-ft pp-ft cp-ft single-gpu-ft (the last has no collective), then fsdp-ft-nf4 (fsdp-ft --quant nf4,
 #        whose per-step losses are compared with single-gpu-ft's QLoRA: fsdp-ft-nf4-vs-single-gpu-ft.txt).
 #        fsdp-tp-ft gets --mesh-shape 1,1; pp-ft refuses a world of 1 (recorded as "refused").
 #        SCRIPTS="tp-ft pp-ft" runs some of them, in that order.
@@ -124,7 +124,7 @@ SESSION_BUDGET_S=${SESSION_BUDGET_S:-1500}
 RESERVE_S=${RESERVE_S:-15} # kept back from each part's budget for the copies and the report
 A_CMD_TIMEOUT_S=${A_CMD_TIMEOUT_S:-360}
 # The collectives first; single-gpu-ft has none (it only runs under torchrun here), pp-ft refuses a world of 1.
-SCRIPTS=${SCRIPTS:-ddp-ft fsdp-ft tp-ft tp-sp-ft fsdp-tp-ft pp-ft single-gpu-ft fsdp-ft-nf4}
+SCRIPTS=${SCRIPTS:-ddp-ft fsdp-ft tp-ft tp-sp-ft fsdp-tp-ft pp-ft cp-ft single-gpu-ft fsdp-ft-nf4}
 CONFIGS=${CONFIGS:-packed-compiled padded-eager packed-eager}
 TRACE_MAX_MB=${TRACE_MAX_MB:-8}
 if [ "$SMOKE" = 1 ]; then

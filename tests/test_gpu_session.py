@@ -184,7 +184,7 @@ def test_gpu_plan_under_a_stand_in_nvidia_smi(tmp_path):
         assert f"{tmp_path / 'out' / part}-h100-80gb-hbm3 " in text, part
     lines = text.splitlines()
     world1 = [line for line in lines if line.startswith("[a] ") and "torch.distributed.run" in line]
-    assert len(world1) == 8 and all("--nproc_per_node=1" in line and "--max-steps 3" in line for line in world1)
+    assert len(world1) == 9 and all("--nproc_per_node=1" in line and "--max-steps 3" in line for line in world1)
     assert "experiments/fsdp-ft/train.py" in world1[-1] and "--quant nf4" in world1[-1]  # fsdp-ft-nf4, last
     assert all("--model qwen3-4b-shape" in line for line in lines if "--output-dir" in line)
     assert "--mesh-shape 1,1" in next(line for line in world1 if "fsdp-tp-ft" in line)
