@@ -60,12 +60,14 @@ def check_adapter(adapter: Path) -> None:
         ) from e
 
 
-def held_out(examples: Sequence[data.Example], n: int, task: str = "all") -> list[data.Example]:
+def held_out(examples: Sequence[data.Example], n: int, task: str = "all", fits=None) -> list[data.Example]:
     """The first n examples of the run's --task in the dataset's order (deterministic): span-level ones first
-    for `all`, whole meetings where there are no spans."""
+    for `all`, whole meetings where there are no spans; with `fits`, only those it accepts (a whole meeting is
+    never trimmed, so one longer than the run's --max-length cannot be summarized)."""
     examples = [ex for ex in examples if ex.kind in data.TASKS[task]]
     spans = [ex for ex in examples if ex.kind == "span"]
-    return (spans or examples)[:n]
+    chosen = (ex for ex in spans or examples if fits is None or fits(ex))
+    return [ex for _, ex in zip(range(n), chosen)]
 
 
 @torch.no_grad()
@@ -161,7 +163,11 @@ def infer_main(description: str, experiment: str, finetuned, add_flags=None, che
         if check:
             check(args, cfg)
         tokenizer, formatter, splits, base = load_for_inference(cfg, device)
-        examples = held_out(splits[args.split], args.num_examples, cfg.get("task", "all"))
+
+        def fits(ex) -> bool:
+            return formatter.prompt_ids(ex, reserve=args.max_new_tokens) is not None
+
+        examples = held_out(splits[args.split], args.num_examples, cfg.get("task", "all"), fits)
         base_out = summarize(base, tokenizer, formatter, examples, args.max_new_tokens, device)
         model = finetuned(base, cfg, args, device)
         tuned_out = summarize(model, tokenizer, formatter, examples, args.max_new_tokens, device)

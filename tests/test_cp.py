@@ -164,3 +164,17 @@ def test_a_model_with_sliding_window_layers_is_refused(monkeypatch):
     config.layer_types = ["sliding_attention"] + config.layer_types[1:]
     monkeypatch.setattr(models, "model_config", lambda *a, **k: config)
     assert "full causal attention" in parity.refused(monkeypatch, CP_TRAIN, "--smoke", world=2)
+
+
+def test_infer_summarizes_held_out_whole_meetings_that_fit():
+    """cp-ft's run has --task meetings: infer.py's held-out examples are whole meetings, the first ones in the
+    dataset's order that fit the run's --max-length with the summary's room (a meeting is never trimmed)."""
+    from ftkit import generation
+
+    test = data.load_splits(data.SHIPPED)["test"]
+    meetings = [ex for ex in test if ex.kind == "meeting"]
+    short = {ex.meeting_id for ex in meetings if len(ex.transcript) < 30_000}
+    chosen = generation.held_out(test, 2, "meetings", fits=lambda ex: ex.meeting_id in short)
+    assert [ex.meeting_id for ex in chosen] == [ex.meeting_id for ex in meetings if ex.meeting_id in short][:2]
+    assert all(ex.kind == "meeting" for ex in chosen) and len(chosen) == 2
+    assert all(ex.kind == "span" for ex in generation.held_out(test, 3))  # the other tasks: spans first, as before
