@@ -484,5 +484,5 @@ class _Setup:
         if self.technique == "fsdp":
             root = outside * self.other_bytes
             held = (2 if self.shards > 1 else 1) if self.reshard_after_forward else self.layers
-            layer_set = (self.layer_weights + FP32 * self.layer_lora) * held
+            layer_set = (self.layer_weights + self.act * self.layer_lora) * held
         return root, layer_set

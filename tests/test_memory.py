@@ -222,8 +222,9 @@ def test_fsdp_shards_a_4bit_bases_codes_and_keeps_its_constants_whole_on_every_r
     assert two.weights - four.weights == pytest.approx(parameters / 4, rel=1e-12)  # the constants do not shrink
     assert predict(shape, quant="nf4").weights == pytest.approx(parameters + constants, rel=1e-12)  # one GPU: all
     # Gathered at the layer peak: the root unit (the bf16 embedding and final norm) and two layers, each as its
-    # packed codes with its bf16 norms and its adapters; bf16 gathers 2 B per projection weight instead.
-    layer = shape.linear_params() * 0.5 + shape.norm_params() * 2 + 4 * lora_params(shape, 16) // shape.layers
+    # packed codes with its bf16 norms and its adapters, gathered in the param dtype (bf16, as FSDP2's
+    # MixedPrecisionPolicy casts them; their fp32 masters stay sharded); bf16 gathers 2 B per projection weight.
+    layer = shape.linear_params() * 0.5 + shape.norm_params() * 2 + 2 * lora_params(shape, 16) // shape.layers
     assert two.gathered == pytest.approx((shape.embedding_params() + shape.hidden) * 2 + 2 * layer, rel=1e-12)
     assert fsdp(2, "none").gathered - two.gathered == pytest.approx(2 * shape.linear_params() * 1.5, rel=1e-12)
 
