@@ -40,6 +40,7 @@ from ftkit import (
     comm,
     compilation,
     errors,
+    evaluation,
     lora,
     metrics,
     models,
@@ -213,17 +214,12 @@ def main() -> None:
     tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
     batches = batching.global_batches(args, train_set)
     accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
-    eval_set = sorted(val_set[: args.eval_examples], key=lambda e: -len(e.input_ids))
-    if not train_set or not eval_set:
+    eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.micro_batch_size)  # every rank: all
+    if not train_set or not eval_batches:
         raise errors.RunError(
-            f"--task {args.task} at --max-length {args.max_length} keeps no training or held-out "
-            "example: raise --max-length (whole meetings are 9-20k tokens; 2,592 keeps one of each "
-            "with --smoke)"
+            f"--task {args.task} at --max-length {args.max_length} keeps no training or held-out example: raise "
+            "--max-length (whole meetings are 9-20k tokens; 2,592 keeps one of each with --smoke)"
         )
-    eval_batches = [
-        batching.collate(eval_set[i : i + args.micro_batch_size])
-        for i in range(0, len(eval_set), args.micro_batch_size)
-    ]
 
     # ---- model: the whole bf16 base on every rank, its attention `cp`, LoRA from --seed: every rank the same
     with ranks.rank0_first():
@@ -296,10 +292,10 @@ def main() -> None:
                     loss_sum += loss.detach()
                 # Each rank's gradients are its tokens' share of the step's: summed, they are the whole gradient.
                 # One all-reduce of all of them, flattened into one buffer (33 M fp32 values at Qwen3-4B).
-                grads = [p.grad for p in trainable]
-                flat = torch.cat([g.flatten() for g in grads])
+                flat = torch.cat([p.grad.reshape(-1) for p in trainable])
                 dist.all_reduce(flat)
-                torch._foreach_copy_(grads, torch._utils._unflatten_dense_tensors(flat, grads))
+                for p, g in zip(trainable, flat.split([p.numel() for p in trainable])):
+                    p.grad.copy_(g.view_as(p.grad))
                 clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
                 grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)  # the same on every rank
                 lr = optim.optimizer_step(optimizer, scheduler)
