@@ -43,6 +43,7 @@ def describe(r: dict) -> str:
     notes = ["checkpointing" if c["grad_checkpointing"] else "no checkpointing"]
     notes += ["NF4"] if c["quant"] == "nf4" else []
     notes += [f"batch {c['batch_size']}"] if c["batch_size"] != 16 else []
+    notes += [f"{c['max_length']:,} tokens"] if c["max_length"] != 2048 else []
     if r["technique"] == "pp":  # 1F1B's stage 0, the busiest, unless it says otherwise
         notes += ["GPipe"] if c["schedule"] == "gpipe" else []
         notes += ["last stage"] if c["stage"] == r["world_size"] - 1 else []
@@ -66,6 +67,8 @@ def main() -> None:
         technique = r["technique"] + (" QLoRA (NF4)" if c["quant"] == "nf4" else "")
         if r["technique"] == "pp":
             technique += f", {c['schedule']}, stage {c['stage']} of {r['world_size']}"
+        if c["max_length"] != 2048:  # cp-ft's whole meetings
+            technique += f", {c['micro_batch_size']} x {c['max_length']:,} tokens"
         cells = [
             path.stem,
             technique,

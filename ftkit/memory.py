@@ -54,7 +54,7 @@ DTYPE_BYTES = {"bf16": 2, "fp32": 4}
 # NF4 with double quantization, QLoRA paper Sec. 3: 4 bits + 8/64 + 32/(64*256) bits of constants per weight.
 NF4_BYTES_PER_PARAM = (4 + 8 / 64 + 32 / (64 * 256)) / 8
 NF4_PACKED_BYTES = 4 / 8  # of which the codes, two per byte: the parameter FSDP shards; the rest, its constants
-TECHNIQUES = ("single", "ddp", "fsdp", "tp", "tp-sp", "pp")
+TECHNIQUES = ("single", "ddp", "fsdp", "tp", "tp-sp", "pp", "cp")
 
 
 @dataclass(frozen=True)
@@ -201,6 +201,7 @@ def predict(
     world_size: int = 1,
     tp: int = 1,
     pp: int = 1,
+    cp: int = 1,
     sequence_parallel: bool = False,
     lora_rank: int = 16,
     lora_targets: Sequence[str] = LORA_TARGETS,
@@ -224,8 +225,10 @@ def predict(
     sharded over the data-parallel ranks, each decoder layer its own FSDP2 unit); "tp" / "tp-sp" (the seven
     projections sharded over tp ranks, norms and embeddings replicated, as in transformers' Qwen3 tp_plan;
     "tp-sp" adds sequence parallelism); "pp" (layers split over pp stages, embedding on the first, final
-    norm + lm_head on the last, which holds its own copy of a tied embedding). For "tp"/"tp-sp"/"pp" the
-    degree defaults to world_size; the data-parallel degree is world_size / (tp * pp).
+    norm + lm_head on the last, which holds its own copy of a tied embedding); "cp" (cp-ft: each sequence cut
+    into 2 x cp chunks, a rank holding seq_len / cp of its tokens and, in the layer it runs, every rank's K and V
+    repeated to the query heads: see `_Setup._layer`). For "tp"/"tp-sp"/"pp"/"cp" the degree defaults to
+    world_size; the data-parallel degree is world_size / (tp * pp * cp).
     quant: "nf4" (QLoRA) or "none"; dtype: the base / compute dtype, "bf16" or "fp32".
     lora_dropout > 0 costs activation memory (see `layer_activation_bytes`); full_finetune: the ZeRO baseline;
     fp32_adapter_compute: the adapters computing in fp32 as PEFT does by default (runs measured before the
@@ -255,6 +258,7 @@ class _Setup:
     world_size: int
     tp: int  # resolved: the degree of "tp" / "tp-sp", world_size unless given
     pp: int  # resolved: the degree of "pp", world_size unless given
+    cp: int  # resolved: the degree of "cp", world_size unless given
     sequence_parallel: bool  # resolved: on with "tp-sp"
     lora_rank: int
     lora_targets: Sequence[str]
@@ -295,13 +299,17 @@ class _Setup:
             self.tp = self.world_size
         if technique == "pp" and self.pp == 1:
             self.pp = self.world_size
-        tp, pp = self.tp, self.pp
+        if technique == "cp" and self.cp == 1:
+            self.cp = self.world_size
+        tp, pp, cp = self.tp, self.pp, self.cp
         if shape.layers % pp or shape.kv_heads % tp:
             raise ValueError(f"pp={pp} must divide {shape.layers} layers and tp={tp} the {shape.kv_heads} KV heads")
-        if self.world_size % (tp * pp):
-            raise ValueError(f"world_size={self.world_size} is not a multiple of tp*pp={tp * pp}")
+        if self.world_size % (tp * pp * cp):
+            raise ValueError(f"world_size={self.world_size} is not a multiple of tp*pp*cp={tp * pp * cp}")
+        if cp > 1 and (technique != "cp" or self.seq_len % (2 * cp)):
+            raise ValueError(f"cp={cp} is technique 'cp' only, with seq_len a multiple of 2 x cp, got {self.seq_len}")
         self.sequence_parallel = self.sequence_parallel or technique == "tp-sp"
-        dp = self.world_size // (tp * pp)
+        dp = self.world_size // (tp * pp * cp)
         self.shards = dp if technique == "fsdp" else 1
 
     def _precision(self) -> None:
@@ -347,7 +355,7 @@ class _Setup:
         self.layer_constants = shape.linear_params() / tp * self.constant_bytes
         lora = 0 if self.full_finetune else lora_params(shape, self.lora_rank, self.lora_targets, tp) // shape.layers
         self.layer_lora = lora
-        self.tokens = tokens = self.micro_batch_size * self.seq_len
+        self.tokens = tokens = self.micro_batch_size * self.seq_len // self.cp
         self.layer_acts = layer_saved_bytes(
             shape,
             tokens,
@@ -360,6 +368,10 @@ class _Setup:
             full_finetune=self.full_finetune,
             fp32_adapter_compute=self.fp32_adapter_compute,
         )
+        if self.technique == "cp":
+            # cp-ft's attention: SDPA saves no local K and V (kv wide) but slices of the whole sequence's, gathered
+            # from every rank and repeated to the query heads (q wide): the repeated tensors, kept whole.
+            self.layer_acts += 2 * act * (self.micro_batch_size * self.seq_len * shape.q_dim - tokens * shape.kv_dim)
         self.sp = tp if self.sequence_parallel else 1
         # The bf16 copies autocast makes of a layer's fp32 adapter weights, saved by its LoRA matmuls (FSDP gathers
         # the adapters in param_dtype instead: in `gathered`). They live while autocast caches them or backward
@@ -398,9 +410,9 @@ class _Setup:
         grads = self.grad_bytes * trainable * (2 if self.technique == "ddp" else 1)  # DDP: + its gradient buckets
         optim = self.optim_bytes * trainable
 
-        acts = (
-            in_flight * layers * self.kept_per_layer + 2 * self.seq_len * shape.head_dim * self.act
-        )  # + RoPE cos, sin
+        # RoPE's cos and sin: cp-ft's position ids are [rows, its tokens], the other scripts' [1, seq]
+        rope = 2 * shape.head_dim * self.act * (self.tokens if self.technique == "cp" else self.seq_len)
+        acts = in_flight * layers * self.kept_per_layer + rope
         acts += self.copies
         # Backward has two peaks, and the larger one counts: at the loss, and in the first layer it runs (the first
         # it recomputes, with checkpointing), once the loss's tensors are freed.
@@ -434,7 +446,7 @@ class _Setup:
         (seq_len), an upper bound. Under TP they are gathered (full vocab on every rank)."""
         shape, act, tokens, sp, m = self.shape, self.act, self.tokens, self.sp, self.m
         technique, logit_positions = self.technique, self.logit_positions
-        positions = self.micro_batch_size * (logit_positions or self.seq_len)
+        positions = self.micro_batch_size * (logit_positions or self.seq_len // self.cp)
         n_logits = shape.vocab * positions
         # Saved until the loss backward: the final norm's fp32 input and 1/rms; the lm_head's input picked at
         # the answer positions (a gather that saves the whole normed sequence and an int64 index of the picked

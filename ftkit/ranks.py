@@ -135,6 +135,16 @@ def check_tp_degree(config, tp: int) -> None:
         )
 
 
+def check_cp_chunks(max_length: int, cp: int) -> None:
+    """Context parallelism cuts every sequence into 2 x cp equal chunks (rank r: chunks r and 2cp-1-r): --max-length
+    must be a multiple of 2 x cp; the error says which one to pass."""
+    if max_length % (2 * cp):
+        fit = -(-max_length // (2 * cp)) * 2 * cp
+        raise RunError(
+            f"--max-length {max_length} cannot be cut into 2 x --cp = {2 * cp} equal chunks: pass --max-length {fit}"
+        )
+
+
 def print0(*text: str) -> None:
     """Print once per run (on rank 0), not once per rank."""
     if int(os.environ.get("RANK", "0")) == 0:

@@ -39,7 +39,8 @@ def row(result: dict, experiment: str, **match) -> dict:
 
 
 def test_there_are_tracked_runs_to_check_against():
-    assert {json.loads(p.read_text())["technique"] for p in REALSCALE} == {"single", "ddp", "fsdp", "tp", "tp-sp", "pp"}
+    techniques = {json.loads(p.read_text())["technique"] for p in REALSCALE}
+    assert techniques == {"single", "ddp", "fsdp", "tp", "tp-sp", "pp", "cp"}
 
 
 @pytest.mark.parametrize("path", REALSCALE, ids=[p.stem for p in REALSCALE])
@@ -48,7 +49,7 @@ def test_the_planners_memory_is_the_one_checked_at_real_scale_and_its_margin_cov
     c = r["config"]
     s = setting(gpus=r["world_size"], **settings.run_flags(c))
     world = r["world_size"]
-    mesh = {"single": {}, "ddp": {"dp": world}, "fsdp": {"dp": world}, "pp": {"pp": world}}.get(
+    mesh = {"single": {}, "ddp": {"dp": world}, "fsdp": {"dp": world}, "pp": {"pp": world}, "cp": {"cp": world}}.get(
         r["technique"], {"tp": world}
     )
     planned = techniques.evaluate(s, r["technique"], mesh, c["quant"])
@@ -95,6 +96,25 @@ def test_refusals_are_the_scripts_own_messages():
     assert "--batch-size 16 is not a multiple of --micro-batch-size 2 x 16" in ddp["refused"]
     pp = techniques.evaluate(setting(gpus=8), "pp", {"pp": 8}, "none")
     assert "8 pipeline stages do not divide the model's 36 layers" in pp["refused"]
+    cp = techniques.evaluate(setting(gpus=4, max_length=4095), "cp", {"cp": 4}, "none")
+    assert "--max-length 4095 cannot be cut into 2 x --cp = 8 equal chunks: pass --max-length 4096" in cp["refused"]
+    packed = techniques.evaluate(setting(layout="packed"), "cp", {"cp": 2}, "none")
+    assert packed["refused"] == techniques.CP_LAYOUT
+
+
+def test_whole_meetings_on_two_24gb_cards_fit_bf16_lora_only_split():
+    """32k-token sequences on 2 x 24 GB over PCIe: bf16 LoRA does not fit one card (single, DDP), nor FSDP; it does
+    split by the sequence (cp-ft) or by the layers' widths (tp-sp-ft). TP+SP holds less (it splits the weights too),
+    CP sends less: K and V (8 of 32 heads) a layer, where TP+SP moves the hidden states 4-5.5 times a layer."""
+    args = ["--gpus", "2", "--gpu", "rtx4090", "--link", "pcie4", "--max-length", "32768", "--micro-batch-size", "1"]
+    result = main([*args, "--batch-size", "8", "--json"])
+    for experiment in ("single-gpu-ft", "ddp-ft", "fsdp-ft"):
+        assert not row(result, experiment, quant="none")["fits"], experiment
+    cp, tp_sp = row(result, "cp-ft"), row(result, "tp-sp-ft")
+    assert cp["fits"] and tp_sp["fits"] and cp["mesh"] == {"cp": 2}
+    assert tp_sp["memory_bytes"] < cp["memory_bytes"]
+    assert cp["compute_s"] == tp_sp["compute_s"] and cp["exposed_comm_s"] < tp_sp["exposed_comm_s"] / 3
+    assert cp["tokens_per_s"] > tp_sp["tokens_per_s"]
 
 
 def test_the_pcie_box_gets_data_parallelism_and_tp_sp_loses_to_fsdp_there(capsys):

@@ -247,6 +247,35 @@ def test_tp_collectives_are_the_scripts_theory_to_the_byte(tp_world2):
         assert recorded["all_reduce"] == theory["all_reduce"] + 4
 
 
+def test_cp_runs_the_scripts_chunks_and_gathers_at_the_models_peak():
+    """cp-ft at world 2 (2 decoder layers, 1,024-token sequences, 2 micro-steps): rank 0 holds chunks 0 and 3, and
+    so every answer position; its peak is the memory model's "cp" (the repeated K and V of the whole sequence
+    included) within 0.5%; its collectives are cp-ft's `comm_theory` to the byte; its attention is the causal pairs
+    of its two query chunks over the keys up to each one's end (aligned at the bottom right, as CUDA's flash kernel
+    computes `causal_lower_right`), as many as rank 1's; its lm_head runs at every answer position."""
+    argv = ("--technique", "cp", "--world", "2", "--layers", "2", "--max-length", "1024", "--batch-size", "2")
+    proc = run_script("-m", "ftkit.realscale", *argv, "--json", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(proc.stdout)
+    assert r["script"] == "experiments/cp-ft/train.py" and r["config"]["accumulation_steps"] == 2
+    assert r["tracked_over_predicted"] == pytest.approx(1, abs=0.005), r["categories"]
+    assert r["collective_bytes"] == r["collective_bytes_theory"] and set(r["collective_bytes"]) == {
+        "all_gather",
+        "reduce_scatter",
+        "all_reduce",
+    }
+    shape, n = memory.QWEN3_4B, 1024 // 4
+
+    def pairs(rank: int) -> int:  # rank r holds chunks r and 3 - r; chunk c's queries see keys 0 .. (c + 1) n
+        return sum(flops.causal_pairs(n, (c + 1) * n, lower_right=True) for c in (rank, 3 - rank))
+
+    assert pairs(0) == pairs(1)
+    # forward 2 matmuls, backward 5 (the scores recomputed), 2 FLOPs per multiply-add; 2 layers, 2 micro-steps
+    assert r["flops_counted_by_component"]["attention"] == 2 * 2 * 7 * 2 * shape.q_dim * pairs(0)
+    answer = r["config"]["answer_tokens"] - 1  # the last token predicts nothing
+    assert r["flops_counted_by_component"]["lm_head"] == 2 * 4 * shape.vocab * shape.hidden * answer
+
+
 def test_ddp_runs_wrapped_and_all_reduces_the_lora_gradients_once():
     """ddp-ft's DDP wrapper on fake tensors (world 2, one decoder layer, one micro-step per rank): the reducer's fp32
     buckets, allocated before the tracker starts, are in the tracked peak once (the tracker registers them when the
@@ -405,6 +434,8 @@ def test_pp_last_stage_runs_the_scripts_1f1b_schedule_and_loss():
         (["--technique", "pp", "--world", "2", "--layers", "3"], "do not divide the model's 3 layers evenly"),
         (["--technique", "fsdp", "--world", "2", "--pp-stage", "last"], "--pp-stage are pipeline flags"),
         (["--technique", "single", "--world", "2"], "single runs on one device"),
+        (["--technique", "cp", "--world", "2", "--quant", "nf4"], "cp-ft/train.py trains LoRA on a bf16 base"),
+        (["--technique", "cp", "--world", "3", "--max-length", "4096"], "pass --max-length 4098"),
     ],
 )
 def test_refusals_say_why(argv, message, capsys):

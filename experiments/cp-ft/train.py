@@ -22,7 +22,6 @@ One row per meeting, right-padded to a multiple of 2 x cp: packing does not appl
 
 from __future__ import annotations
 
-import argparse
 import os
 
 import safetensors.torch
@@ -56,10 +55,6 @@ REAL = dict(task="meetings", max_length=32768, micro_batch_size=1, batch_size=8)
 # The walkthrough: the tiny tokenizer's whole meetings are 1.7k-21k tokens; 4,096 keeps the nine shortest.
 SMOKE = dict(task="meetings", max_length=4096, micro_batch_size=1, batch_size=2)
 EAGER_BECAUSE = "cp-ft's attention calls collectives inside a hand-written autograd Function (gather_kv)"
-CP_MEMORY_NOTE = (
-    "; cp-ft's prediction: the single-GPU model at --max-length / cp tokens (each rank's share), without the one "
-    "layer's gathered K and V (4 KiB per token at Qwen3-4B)"
-)
 TRAP = (
     "cp-ft's attention got a mask: where transformers builds masks for an attention (as for its own SDPA), it reads "
     "the chunks' position ids, which jump from one chunk to the next, as packed sequences and masks them apart; "
@@ -182,12 +177,29 @@ def forward_loss(model, mb: dict, device, dtype) -> torch.Tensor:
         return batching.token_loss_sum(out.logits, mb["targets"])
 
 
-def main() -> None:
-    args = parse_args()
-    ranks.torchrun_local_rank()
-    world = int(os.environ["WORLD_SIZE"])
+def all_reduce_grads(trainable: list[torch.Tensor]) -> None:
+    """Each rank's gradients are its tokens' share of the step's: summed, they are the whole gradient. One
+    all-reduce of all of them, flattened into one buffer (33 M fp32 values at Qwen3-4B)."""
+    flat = torch.cat([p.grad.reshape(-1) for p in trainable])
+    dist.all_reduce(flat)
+    for p, g in zip(trainable, flat.split([p.numel() for p in trainable])):
+        p.grad.copy_(g.view_as(p.grad))
+
+
+def comm_theory(config, args, padded_tokens: float, trainable: list[torch.Tensor]) -> dict[str, float]:
+    """What theory says a step of `padded_tokens` (all its micro-batches') sends, by collective: per layer and padded
+    token, K and V (8 heads x 128 x bf16 at Qwen3-4B: 4 KiB) all-gathered in forward, again in the recompute under
+    checkpointing, and their gradients reduce-scattered; then the LoRA gradients' one all-reduce. Bytes of the
+    whole buffers, as recorded."""
+    kv = 2 * config.num_key_value_heads * config.head_dim * cli.torch_dtype(args.dtype).itemsize
+    per_pass = kv * config.num_hidden_layers * padded_tokens
+    gathers = 2 if args.grad_checkpointing else 1
+    return {"all_gather": gathers * per_pass, "reduce_scatter": per_pass, "all_reduce": comm.nbytes(trainable)}
+
+
+def check_layout(args, world: int) -> int:
+    """The CP degree (--cp, or the world size), or the reason cp-ft cannot split this run's sequences."""
     cp = args.cp or world
-    # Refused before the group and the model, on every rank alike.
     if cp <= 0 or world % cp:
         raise errors.RunError(f"--cp {cp} must divide the world size {world}")
     if cp != world:
@@ -195,12 +207,15 @@ def main() -> None:
             f"cp-ft splits each sequence over every rank (no data parallelism yet): pass --cp {world}, or run "
             f"--nproc_per_node={cp}"
         )
-    if args.max_length % (2 * cp):
-        fit = -(-args.max_length // (2 * cp)) * 2 * cp
-        raise errors.RunError(
-            f"--max-length {args.max_length} cannot be cut into 2 x --cp = {2 * cp} equal chunks: pass --max-length "
-            f"{fit}"
-        )
+    ranks.check_cp_chunks(args.max_length, cp)
+    return cp
+
+
+def main() -> None:
+    args = parse_args()
+    ranks.torchrun_local_rank()
+    world = int(os.environ["WORLD_SIZE"])
+    cp = check_layout(args, world)  # refused before the group and the model, on every rank alike
     config = models.model_config(args.model)
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"]):
         raise errors.RunError(f"cp-ft's attention is full causal attention; {args.model} has {config.layer_types}")
@@ -290,12 +305,7 @@ def main() -> None:
                     loss = forward_loss(model, shard(mb, cp, rank), device, dtype) / n_target
                     loss.backward()  # every rank, answer tokens or not: its gathers' reduce-scatters are collectives
                     loss_sum += loss.detach()
-                # Each rank's gradients are its tokens' share of the step's: summed, they are the whole gradient.
-                # One all-reduce of all of them, flattened into one buffer (33 M fp32 values at Qwen3-4B).
-                flat = torch.cat([p.grad.reshape(-1) for p in trainable])
-                dist.all_reduce(flat)
-                for p, g in zip(trainable, flat.split([p.numel() for p in trainable])):
-                    p.grad.copy_(g.view_as(p.grad))
+                all_reduce_grads(trainable)
                 clip = args.max_grad_norm if args.max_grad_norm > 0 else float("inf")
                 grad_norm = torch.nn.utils.clip_grad_norm_(trainable, clip)  # the same on every rank
                 lr = optim.optimizer_step(optimizer, scheduler)
@@ -326,19 +336,13 @@ def main() -> None:
         return
     if finished:
         model.save_pretrained(run_dir / "adapter", save_embedding_layers=False)
-    # What theory says a step sends: per layer and padded token, K and V (8 heads x 128 x bf16 at Qwen3-4B: 4 KiB)
-    # all-gathered in forward, again in the recompute under checkpointing, and their gradients reduce-scattered; then
-    # the LoRA gradients' one all-reduce. Bytes of the whole buffers, as recorded.
-    kv = 2 * config.num_key_value_heads * config.head_dim * dtype.itemsize
-    passes = (2 if args.grad_checkpointing else 1) + 1
     steps = [r["step"] - 1 for r in log.rows]
     padded = [batches.padded_tokens(s, args.micro_batch_size, multiple=2 * cp) for s in steps]
-    theory = kv * config.num_hidden_layers * passes * sum(padded) / max(1, len(padded)) + comm.nbytes(trainable)
-    local = argparse.Namespace(**{**vars(args), "max_length": args.max_length // cp})
+    theory = sum(comm_theory(config, args, sum(padded) / max(1, len(padded)), trainable).values())
     summary = log.run_summary(
         last_step,
-        predicted=metrics.predicted_memory(config, local, "single"),
-        note=metrics.memory_note(device) + CP_MEMORY_NOTE,
+        predicted=metrics.predicted_memory(config, args, "cp", world_size=cp),
+        note=metrics.memory_note(device),
         compile=compilation.compile_report(compiled),
         comm_theory_bytes_per_step=theory,
         **comm.summarize(log.rows),

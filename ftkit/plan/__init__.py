@@ -36,7 +36,11 @@ A model, not a measurement; every term is a formula in this repository or a stat
     and the point-to-point activations of the fill and the drain (2 (p - 1) transfers; the steady state's are
     taken as hidden);
   - FSDP x TP on a 2-D mesh (fsdp-tp-ft): tp-ft's collectives inside a node, FSDP's gathers of the TP slices
-    over the `dp` dimension, across nodes when there are several.
+    over the `dp` dimension, across nodes when there are several;
+  - CP (cp-ft): per layer and micro-batch, K and V all-gathered (twice with checkpointing's recompute) and their
+    gradients reduce-scattered, on the critical path (the script does not overlap them), then the LoRA gradients'
+    all-reduce; each rank computes 1/cp of every sequence, its chunks balancing the causal attention. Planned on
+    the "full" layout only (cp-ft trains whole meetings, not the AMI span examples the other layouts are).
 Not modelled: kernel efficiency varying with shapes (one --mfu for all), the pipeline schedule's own overheads,
 congestion.
 

@@ -24,7 +24,14 @@ EXPERIMENTS = {
     "tp": "tp-ft",
     "tp-sp": "tp-sp-ft",
     "fsdp-tp": "fsdp-tp-ft",
+    "cp": "cp-ft",
 }
+
+
+CP_LAYOUT = (
+    "cp-ft trains whole meetings (--task meetings), one padded row per micro-batch; the AMI layouts are the span "
+    "examples the other scripts train on: plan cp-ft with --layout full, every row --max-length tokens"
+)
 
 
 def candidates(s: Setting) -> list[tuple[str, dict[str, int], str]]:
@@ -35,6 +42,7 @@ def candidates(s: Setting) -> list[tuple[str, dict[str, int], str]]:
         out += [("ddp", {"dp": w}, "nf4"), ("ddp", {"dp": w}, "none")]
         out += [("fsdp", {"dp": w}, "nf4"), ("fsdp", {"dp": w}, "none")]
         out += [("pp", {"pp": w}, "none"), ("tp", {"tp": w}, "none"), ("tp-sp", {"tp": w}, "none")]
+        out += [("cp", {"cp": w}, "none")]  # cp-ft: every rank a share of every sequence
         # TP inside a node, FSDP over the rest
         tps = [t for t in range(2, s.per_node + 1) if s.per_node % t == 0 and w > t]
         out += [("fsdp-tp", {"dp": w // t, "tp": t}, "none") for t in tps]
@@ -44,14 +52,15 @@ def candidates(s: Setting) -> list[tuple[str, dict[str, int], str]]:
 def memory_bytes(s: Setting, technique: str, mesh: dict[str, int], quant: str, accum: int) -> float:
     """The memory model's bytes on the busiest GPU (`memory.predict`) for the experiment's configuration, `accum`
     micro-batches a step."""
-    dp, tp, pp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1)
+    dp, tp, pp, cp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1), mesh.get("cp", 1)
     return predict(
         s.shape,
         technique={"fsdp-tp": "fsdp"}.get(technique, technique),
         quant=quant,
-        world_size=dp * tp * pp,
+        world_size=dp * tp * pp * cp,
         tp=tp,
         pp=pp,
+        cp=cp,
         lora_rank=s.lora_rank,
         lora_dropout=s.lora_dropout,
         logit_positions=s.answer_tokens,
@@ -69,11 +78,15 @@ def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> di
     tokens/s their real tokens over their time."""
     row = {"technique": technique, "experiment": EXPERIMENTS[technique], "mesh": mesh, "quant": quant}
     shape, cfg = s.shape, s.config
-    dp, tp, pp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1)
-    used = dp * tp * pp
+    dp, tp, pp, cp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1), mesh.get("cp", 1)
+    used = dp * tp * pp * cp
     try:
         if tp > 1:
             ranks.check_tp_degree(cfg, tp)
+        if cp > 1:
+            ranks.check_cp_chunks(s.max_length, cp)
+            if s.layout != "full":
+                raise ValueError(CP_LAYOUT)
         if shape.layers % pp:
             raise ValueError(f"{pp} pipeline stages do not divide the model's {shape.layers} layers evenly")
         accum = batching.accumulation_steps(s.batch_size, s.micro_batch_size, dp)

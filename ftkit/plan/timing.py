@@ -58,15 +58,15 @@ def micro_flops(s: Setting, m: Micro) -> float:
     return flops
 
 
-def gpu_times(s: Setting, quant: str, step: Step, tp: int, pp: int, passes: int) -> list[float]:
-    """Each micro-batch's GPU time on this rank: the FLOPs its kernels compute split over TP and PP, at mfu of the
-    dense bf16 peak, and NF4's dequantization of every layer's weights on every pass, at the HBM's datasheet
-    bandwidth."""
+def gpu_times(s: Setting, quant: str, step: Step, tp: int, pp: int, passes: int, cp: int = 1) -> list[float]:
+    """Each micro-batch's GPU time on this rank: the FLOPs its kernels compute split over TP, PP and CP (cp-ft's
+    chunks give every rank as much causal attention), at mfu of the dense bf16 peak, and NF4's dequantization of
+    every layer's weights on every pass, at the HBM's datasheet bandwidth."""
     shape = s.shape
     mfu = host_calibration(s)[1]
     gpu = []
     for m in step.micros:
-        g = micro_flops(s, m) / (tp * pp * s.gpu.bf16_flops * mfu)
+        g = micro_flops(s, m) / (tp * pp * cp * s.gpu.bf16_flops * mfu)
         if quant == "nf4":
             weights = shape.layers * shape.linear_params() / tp / pp
             g += passes * weights * (NF4_BYTES_PER_PARAM + BF16) / s.gpu.hbm_bytes_per_s
@@ -97,12 +97,12 @@ def exposed_comm(
     """What the technique cannot hide, in a step whose micro-batches keep the GPU `busy` seconds: (the exposed
     communication, the pipeline's bubble)."""
     shape = s.shape
-    dp, tp, pp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1)
+    dp, tp, pp, cp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1), mesh.get("cp", 1)
     n_lora = lora_params(shape, s.lora_rank)
     accum = len(step.micros)
     micro = busy / accum  # one micro-batch's share, the window the overlapped collectives have
     # TP is the innermost mesh dimension (neighbouring ranks, one node); any other group spans the GPUs used.
-    spans_nodes = dp * tp * pp > s.per_node
+    spans_nodes = dp * tp * pp * cp > s.per_node
 
     def coll(kind: str, size: float, n: int, inside_node: bool = False) -> float:
         link = s.inter_node_link if spans_nodes and not inside_node else s.link
@@ -134,6 +134,16 @@ def exposed_comm(
             for a in activations
         )
         exposed += coll("all_reduce", FP32 * replicated, tp, True)
+    if technique == "cp":
+        # cp-ft: per layer and micro-batch, K and V all-gathered (in forward, and again in checkpointing's recompute)
+        # and their gradients reduce-scattered, each [rows, width, kv heads x head_dim] bf16 whole, on the critical
+        # path (the script does not overlap them); then the LoRA gradients' one all-reduce, after backward.
+        gathers = 2 if s.grad_checkpointing else 1
+        kv = [m.rows * m.width * shape.kv_dim * BF16 for m in step.micros]
+        exposed = sum(
+            2 * shape.layers * (gathers * coll("all_gather", b, cp) + coll("reduce_scatter", b, cp)) for b in kv
+        )
+        exposed += coll("all_reduce", FP32 * n_lora, cp)
     if technique == "pp":
         bubble = (pp - 1) / accum * busy
         hop = s.inter_node_link if spans_nodes else s.link
@@ -144,10 +154,10 @@ def exposed_comm(
 def step_time(s: Setting, technique: str, mesh: dict[str, int], quant: str, step: Step) -> dict:
     """One optimizer step on rank 0: its micro-batches' GPU and host time through the queue, plus the communication
     the technique cannot hide and the pipeline's bubble."""
-    dp, tp, pp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1)
+    dp, tp, pp, cp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1), mesh.get("cp", 1)
     op_s = host_calibration(s)[0]
     passes = 3 if s.grad_checkpointing else 2  # forward, (recompute,) backward
-    gpu = gpu_times(s, quant, step, tp, pp, passes)
+    gpu = gpu_times(s, quant, step, tp, pp, passes, cp)
     compute = sum(gpu)
     ops, host_micro, step_ops = host_costs(s, quant, s.shape.layers // pp, passes)
     busy = queue([host_micro] * len(gpu), gpu, step_ops * op_s)  # == compute when the host costs nothing
@@ -161,7 +171,7 @@ def step_time(s: Setting, technique: str, mesh: dict[str, int], quant: str, step
         "compute_s": compute,
         "host_s": host_micro * accum + step_ops * op_s,
         "host_ops_per_micro_batch": ops,
-        "host_ops": (ops * accum + step_ops) * dp * tp * pp,  # every rank's, this step
+        "host_ops": (ops * accum + step_ops) * dp * tp * pp * cp,  # every rank's, this step
         "gpu_side_s": compute + exposed + bubble,
         "exposed_comm_s": exposed,
         "bubble_s": bubble,

@@ -35,6 +35,12 @@ embedding), and pp-ft's loss on the answer positions; it sends each micro-batch'
 compared with the memory model's prediction for that stage (`pp_stage`); the busier of the two, the one pp-ft's
 summary states, is reported beside it.
 
+Context parallelism (cp): this process plays rank 0 of cp-ft's --world ranks, which holds the sequence's first and
+last chunks (so every answer position of the synthetic batch), runs cp-ft's own `shard`, `forward_loss` (its
+`cp_attention`, K and V all-gathered and their gradients reduce-scattered by its `GatherKV`) and `all_reduce_grads`;
+the sequence's causal attention with its keys aligned at the bottom right runs as CUDA's flash kernel does it on an
+H100 (`stand_ins.lower_right_flash`).
+
 QLoRA (--quant nf4, single-gpu-ft's and ddp-ft's default, an option of fsdp-ft's): the projections are bitsandbytes
 `Linear4bit` layers, made by transformers' own quantizer and quantized by bitsandbytes' own `quantize_4bit`
 (`quantize_fake`), and each 4-bit matmul dequantizes its weight to bf16 as bitsandbytes' CUDA kernel does at these
@@ -62,10 +68,12 @@ SCRIPTS = {
     "tp": "tp-ft",
     "tp-sp": "tp-sp-ft",
     "pp": "pp-ft",
+    "cp": "cp-ft",
 }
 # The pipeline schedules the memory model predicts (`pp_schedule`), each holding one stage per rank.
 PP_SCHEDULES = ("gpipe", "1f1b")
 TENSOR_PARALLEL = ("tp", "tp-sp")  # every rank runs every sequence
+SEQUENCE_SPLIT = (*TENSOR_PARALLEL, "cp")  # ... or its share of every sequence: no data parallelism
 LABEL = (
     "tracked on fake tensors at Qwen3-4B's shape; excludes the CUDA context, NCCL buffers and allocator fragmentation"
 )

@@ -15,12 +15,17 @@ from ftkit.realscale.nf4 import pack_meta, quantize_fake, quantize_meta, setting
 def build(technique: str, script, args, world: int, device: torch.device, layers: int | None = None):
     """The model as the script builds it, on the meta device (shapes only), and for FSDP sharded by the script's
     own `shard_model`, for TP by its own `lora_aware_plan`, for TP+SP by its own `parallelize`; (model, parameter
-    counts: the whole model's)."""
+    counts: the whole model's). cp: the model with cp-ft's attention, every rank the whole of it."""
     dtype = cli.torch_dtype(args.dtype)
     shape = {} if layers is None else {"num_hidden_layers": layers}
     with mock.patch.dict(models.QWEN3_4B_CONFIG, shape):
-        model = models.load_model(
-            args.model, quant="none", dtype=dtype, device=torch.device("meta"), seed=args.seed, attn="sdpa"
+        model = models.load_model(  # cp-ft's attention: its `cp_attention`, registered when its script was loaded
+            args.model,
+            quant="none",
+            dtype=dtype,
+            device=torch.device("meta"),
+            seed=args.seed,
+            attn="cp" if technique == "cp" else "sdpa",
         )
     if technique == "fsdp":  # as experiments/fsdp-ft/train.py: (a 4-bit base,) checkpointing, PEFT, then FSDP2
         if args.quant == "nf4":
@@ -46,6 +51,12 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
             parallelize_module(layer, mesh, script.lora_aware_plan())
         for name, p in model.named_parameters():
             p.requires_grad_("lora_" in name)
+    elif technique == "cp":  # as experiments/cp-ft/train.py: the whole bf16 base, checkpointing, PEFT
+        if args.grad_checkpointing:
+            lora.checkpoint_activations(model)
+        model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
+        model = lora.adapters_compute_in(model, dtype)
+        counts = models.parameter_counts(model)
     elif technique == "pp":  # as experiments/pp-ft/train.py (prepare.load_lora_model): checkpointing, PEFT; its stages
         # are cut from the model once it has storage (`pipeline`), as the script cuts them from the loaded model
         if args.grad_checkpointing:

@@ -13,7 +13,7 @@ from unittest import mock
 import torch
 
 from ftkit import batching, cli, models
-from ftkit.realscale import SCRIPTS, TENSOR_PARALLEL, RealScaleError
+from ftkit.realscale import SCRIPTS, SEQUENCE_SPLIT, RealScaleError
 
 # The common flags this command passes on to the script's own parser (a flag not given takes the script's default).
 PASSED_ON = ("micro_batch_size", "max_length", "batch_size", "lora_rank", "lora_alpha", "lora_dropout")
@@ -31,7 +31,7 @@ def script_args(script, opts: argparse.Namespace) -> argparse.Namespace:
         argv += ["--schedule", opts.schedule]
     if opts.technique == "pp":
         argv.append("--no-packing")  # the padded layout pp-ft runs (it notes so, on stdout, when asked to pack)
-    if opts.technique in (*TENSOR_PARALLEL, "pp"):
+    if opts.technique in (*SEQUENCE_SPLIT, "pp"):
         if opts.quant == "nf4":
             raise RealScaleError(
                 f"--quant nf4: experiments/{SCRIPTS[opts.technique]}/train.py trains LoRA on a bf16 base (no QLoRA)"
@@ -45,7 +45,8 @@ def script_args(script, opts: argparse.Namespace) -> argparse.Namespace:
 
 def configure(opts: argparse.Namespace) -> tuple:
     """The script, its flags and the rank this process plays; every refusal (the script's own included) raised
-    here, before any model is built. pp: the script's refusal of stages that do not split the layers evenly."""
+    here, before any model is built. pp: the script's refusal of stages that do not split the layers evenly; cp: of a
+    sequence the ranks cannot cut into equal chunks."""
     script = cli.load_experiment(SCRIPTS[opts.technique])
     args = script_args(script, opts)
     rank = 0
@@ -56,6 +57,8 @@ def configure(opts: argparse.Namespace) -> tuple:
             rank = next(
                 r for r in range(opts.world) if n_stages - 1 in script.rank_stages(r, opts.world, args.schedule)
             )
+    if opts.technique == "cp":  # cp-ft's refusals: the world its sequences split over, chunks of equal length
+        script.check_layout(args, opts.world)
     return script, args, rank
 
 
@@ -96,8 +99,9 @@ class Setup:
 
 def setup(opts: argparse.Namespace) -> Setup:
     script, args, rank = configure(opts)
-    # TP splits the layers, PP the depth, not the batch; PP's accumulation steps are the pipeline's micro-batches
-    dp = 1 if opts.technique in ("single", *TENSOR_PARALLEL, "pp") else opts.world
+    # TP splits the layers, PP the depth, CP the sequence, not the batch; PP's accumulation steps are the pipeline's
+    # micro-batches
+    dp = 1 if opts.technique in ("single", *SEQUENCE_SPLIT, "pp") else opts.world
     accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=dp)
     runs = min(accum, opts.micro_steps or accum)  # micro-steps run per optimizer step (pp: in one schedule.step)
     return Setup(opts, script, args, rank, torch.device("cpu"), dp, accum, runs)

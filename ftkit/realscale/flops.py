@@ -11,9 +11,12 @@ import torch
 from ftkit.realscale.nf4 import GEMM_4BIT
 
 
-def causal_pairs(s_q: int, s_k: int) -> int:
+def causal_pairs(s_q: int, s_k: int, lower_right: bool = False) -> int:
     """Query-key pairs a causal mask keeps (SDPA's is_causal: query i sees keys 0..i): the lower triangle with its
-    diagonal, s(s+1)/2 of s x s when s_q == s_k."""
+    diagonal, s(s+1)/2 of s x s when s_q == s_k. lower_right: the mask aligned at the bottom right, query i seeing
+    keys 0..i + s_k - s_q (CUDA's flash kernel's is_causal; cp-ft's causal_lower_right)."""
+    if lower_right and s_q <= s_k:
+        return s_q * (s_k - s_q) + s_q * (s_q + 1) // 2
     if s_q <= s_k:
         return s_q * (s_q + 1) // 2
     return s_k * (s_k + 1) // 2 + (s_q - s_k) * s_k
@@ -38,6 +41,9 @@ def causal_sdpa_formulas() -> dict:
 
     def causal(op):
         whole = flop_registry[op]
+        # CUDA's flash kernel aligns a causal mask at the bottom right when the key sequence is longer (torch's
+        # CausalBias calls it with is_causal for causal_lower_right); the others at the top left.
+        lower_right = op.__name__.removesuffix("_backward") == "_scaled_dot_product_flash_attention"
         names = [a.name for a in op.default._schema.arguments]
 
         def formula(*args, out_val=None, **kwargs):
@@ -46,7 +52,7 @@ def causal_sdpa_formulas() -> dict:
             if not bound.get("is_causal"):
                 return flops
             s_q, s_k = bound["query"].shape[-2], bound["key"].shape[-2]
-            return flops * causal_pairs(s_q, s_k) // (s_q * s_k)
+            return flops * causal_pairs(s_q, s_k, lower_right) // (s_q * s_k)
 
         formula._get_raw = True  # FlopCounterMode passes the tensors themselves (and is_causal) to a raw formula
         return formula

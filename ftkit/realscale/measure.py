@@ -19,7 +19,7 @@ from ftkit.realscale.flops import MatmulDtypes, causal_sdpa_formulas
 # How each script records its collectives (ftkit/comm.py), so this command records what the script's summary
 # reports: FSDP2's and tp-sp-ft's through torch.distributed's functions, tp-ft's DTensor redistributions as
 # functional collectives.
-RECORDING = {"fsdp": comm.recording, "tp": comm.recording_functional, "tp-sp": comm.recording}
+RECORDING = {"fsdp": comm.recording, "tp": comm.recording_functional, "tp-sp": comm.recording, "cp": comm.recording}
 
 
 @dataclasses.dataclass
@@ -79,7 +79,7 @@ def measure_steps(s: Setup) -> tuple[Measured, list[str]]:
         tracker = tracked_steps(s, training, constants)
         dtypes, counter, recorded = counted_step(s, training, recorder, config.vocab_size)
         theory = report.collective_theory(
-            s.technique, model, config, s.args, counts, batch.mb, s.runs, training.replicated, s.world
+            s.technique, model, config, s.args, counts, batch.mb, s.runs, training.replicated, s.world, s.script
         )
         peak = tracker.get_tracker_snapshot("peak")
     measured = Measured(
@@ -107,6 +107,7 @@ def fake_cuda(s: Setup, unmasked: bool):
         FakeTensorMode(allow_non_fake_inputs=True),
         stand_ins.cuda_dropout(),
         stand_ins.causal_mask_skipped(unmasked),
+        stand_ins.lower_right_flash(s.script if s.technique == "cp" else None),
         nf4.dequantising_gemm_4bit() if s.nf4 else contextlib.nullcontext(),
         nf4.fsdp_quant_state() if s.nf4 and s.technique == "fsdp" else contextlib.nullcontext(),
     ):
@@ -117,6 +118,7 @@ def tracked_steps(s: Setup, training: step.TrainingStep, constants: list[torch.T
     """`steps` optimizer steps of `accum` micro-steps each, memory tracked from the start; the tracker."""
     mb = training.batch.mb
     keys = ("input_ids", "target") if s.pp else ("input_ids", "attention_mask", "logit_positions", "targets")
+    keys = ("input_ids", "position_ids", "logit_positions", "targets") if s.technique == "cp" else keys
     tracker = trackers.make_tracker(
         s.technique, training.model, training.optimizer, (*(mb[k] for k in keys), *constants)
     )

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ftkit import cli, comm, hardware, memory, metrics
-from ftkit.realscale import LABEL, SCRIPTS, TENSOR_PARALLEL
+from ftkit.realscale import LABEL, SCRIPTS, SEQUENCE_SPLIT, TENSOR_PARALLEL
 from ftkit.realscale.configuration import Setup
 
 if TYPE_CHECKING:
@@ -124,8 +124,9 @@ def flops_report(s: Setup, m: Measured, stand_ins: list[str]) -> dict:
     lengths = [args.max_length] * args.micro_batch_size * s.accum  # this rank's sequences per optimizer step
     # The convention's FLOPs for those sequences, and the share of them that is this rank's: all of them with data
     # parallelism (each rank its own sequences), 1/world of them with TP (every rank runs every sequence); with PP
-    # its stage's layers, 1/world of the decoder layers, and the whole lm_head on the last stage, none on the first.
-    share = 1 / world if technique in (*TENSOR_PARALLEL, "pp") else 1
+    # its stage's layers, 1/world of the decoder layers, and the whole lm_head on the last stage, none on the first;
+    # with CP 1/world of every sequence's tokens and, the chunks balanced, of its causal attention.
+    share = 1 / world if technique in (*SEQUENCE_SPLIT, "pp") else 1
     scale = s.accum / s.runs  # exact: every micro-step counts the same
     # This command's count (MatmulDtypes: local shards), checked against FlopCounterMode's, which counts a DTensor
     # op at its logical shape: the two agree where no DTensor computes (single, ddp, fsdp's gathered weights).
@@ -170,6 +171,8 @@ def rank_share(s: Setup, m: Measured, lengths: list[int], share: float, position
     if s.pp:  # the lm_head runs on the last stage, over every sequence
         whole = lm_head / share if m.stage.is_last else 0.0
         total, lm_head = total - lm_head + whole, whole
+    if s.technique == "cp" and positions < sum(lengths):  # rank 0 holds the last chunk: every answer position
+        total, lm_head = total - lm_head + lm_head / share, lm_head / share
     return total, lm_head
 
 
@@ -188,6 +191,10 @@ def flops_note(s: Setup, m: Measured, logit_positions: int) -> str:
             "step; the script shards the decoder layers only, so every rank computes the whole lm_head (and holds "
             "the whole embedding)"
             if technique in TENSOR_PARALLEL
+            else f". CP: rank {rank} runs 1/{world} of every sequence's tokens (its first and last chunks) and as "
+            "much of its causal attention as every other rank; the convention here is that share of the step, and "
+            "the whole lm_head at the answer positions, which sit in the last chunk"
+            if technique == "cp"
             else f". PP: rank {rank} runs stage {stage.stage_index} of {world} on every sequence: 1/{world} of the "
             "decoder layers, and "
             + (
@@ -204,10 +211,13 @@ def flops_note(s: Setup, m: Measured, logit_positions: int) -> str:
 
 
 def collective_theory(
-    technique: str, model, config, args, counts: dict, mb: dict, micro_steps: int, replicated: list, world: int
+    technique: str, model, config, args, counts: dict, mb: dict, micro_steps: int, replicated: list, world: int, script
 ):
     """The bytes per collective kind that the script's summary states as theory (`theory_*`), for an optimizer
-    step of `micro_steps` micro-batches like `mb`, from the same functions (ftkit/comm.py)."""
+    step of `micro_steps` micro-batches like `mb`, from the same functions (ftkit/comm.py; cp-ft's `comm_theory`)."""
+    if technique == "cp":  # mb is this rank's share, 1/world of every padded sequence
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        return script.comm_theory(config, args, micro_steps * mb["input_ids"].numel() * world, trainable)
     if technique == "fsdp":  # as fsdp-ft's summary: floating parameters in --param-dtype, 4-bit codes as stored
         from torch.distributed.fsdp import FSDPModule
 

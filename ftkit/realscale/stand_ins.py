@@ -38,6 +38,8 @@ def of_setup(s: Setup, unmasked: bool) -> list[str]:
         stand_ins.append(micro_steps(s))
     if unmasked:
         stand_ins.append(NO_MASK)
+    if s.technique == "cp":
+        stand_ins.append(LOWER_RIGHT_FLASH)
     if s.args.lora_dropout > 0:
         stand_ins.append(DROPOUT)
     if s.nf4:
@@ -72,8 +74,8 @@ def loop(s: Setup) -> str:
         )
     return (
         "the training loop's step (forward, token_loss_sum, backward, AdamW step, zero_grad) is restated "
-        "here from the script, the TP scripts' gradient sync and clip called from them; the learning-rate "
-        "schedule, metrics and evaluation are left out"
+        "here from the script, the TP scripts' gradient sync and clip called from them (cp-ft's shard, "
+        "forward_loss and all_reduce_grads too); the learning-rate schedule, metrics and evaluation are left out"
     )
 
 
@@ -145,6 +147,38 @@ def causal_mask_skipped(unpadded: bool):
     from transformers import masking_utils
 
     with mock.patch.object(masking_utils, "find_packed_sequence_indices", lambda position_ids: None):
+        yield
+
+
+LOWER_RIGHT_FLASH = (
+    "cp-ft's attention of a rank's query chunk over the keys up to its end (SDPA with causal_lower_right) runs as "
+    "CUDA's flash kernel (aten._scaled_dot_product_flash_attention with is_causal, lower right in its convention): "
+    "torch chooses it on an H100 for bf16, head_dim 128 and no mask, and saves q, k, v, the output and a logsumexp; "
+    "on the CPU device torch would materialise the mask and take the math path, which saves the scores; the "
+    "CausalBias (a tensor subclass holding no data) is made outside the fake mode and the memory tracker, under "
+    "which it cannot be made"
+)
+
+
+@contextlib.contextmanager
+def lower_right_flash(script):
+    """SDPA's causal_lower_right as an H100 runs it (LOWER_RIGHT_FLASH), for cp-ft (`script`; None: nothing to do):
+    torch's `CausalBias` asks whether the flash kernel can run (on CUDA it can, on the CPU device it cannot), and
+    the script's CausalBias is made outside the fake mode."""
+    if script is None:
+        yield
+        return
+    from torch.nn.attention import bias
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    def causal_lower_right(seq_len_q: int, seq_len_kv: int):
+        with _disable_current_modes():  # the fake mode and the memory tracker's
+            return bias.causal_lower_right(seq_len_q, seq_len_kv)
+
+    with (
+        mock.patch.object(bias, "can_use_flash_attention", lambda params: True),
+        mock.patch.object(script, "causal_lower_right", causal_lower_right),
+    ):
         yield
 
 

@@ -29,8 +29,8 @@ def synthetic_micro_batch(micro_batch_size: int, length: int, answer: int, vocab
 
 @dataclasses.dataclass
 class Batch:
-    """The micro-batch every micro-step runs (pp: the global batch, which the schedule cuts), the global batch's
-    target tokens (the loss's denominator), and the mask the model is given."""
+    """The micro-batch every micro-step runs (pp: the global batch, which the schedule cuts; cp: this rank's chunks
+    of it), the global batch's target tokens (the loss's denominator), and the mask the model is given."""
 
     mb: dict
     n_target: int
@@ -48,6 +48,9 @@ def synthetic_batch(s: Setup, vocab: int) -> Batch:
         mb["target"] = torch.stack([mb["logit_positions"], mb["targets"]], dim=1)
     if s.technique == "tp-sp":  # as tp-sp-ft pads: sequence parallelism splits the sequence into equal parts
         mb = batching.pad_to_multiple(mb, s.world)
+    if s.technique == "cp":  # cp-ft's own `shard`: this rank's two chunks, their positions and answer positions
+        mb = s.script.shard(mb, s.world, s.rank)
+        return Batch(mb, int((mb["targets"] != data.IGNORE_INDEX).sum()) * s.accum, None, False)
     # The global batch's target tokens (pp's batch is the global one).
     n_target = int((mb["targets"] != data.IGNORE_INDEX).sum()) * (1 if s.pp else s.accum * s.dp)
 
@@ -87,6 +90,10 @@ class TrainingStep:
             del out
             (loss * s.world).backward()
             return
+        if s.technique == "cp":  # cp-ft's: its forward_loss on this rank's chunks (autocast, no mask: its attention's)
+            loss = s.script.forward_loss(model, mb, s.device, s.dtype) / n_target
+            loss.backward()
+            return
         if s.technique == "tp-sp":  # tp-sp-ft's: bf16 base, its linears cast the adapters; the same loss everywhere
             out = model(**kwargs)
             loss = batching.token_loss_sum(out.logits, mb["targets"]) / n_target
@@ -106,6 +113,8 @@ class TrainingStep:
         import torch.distributed as dist
 
         s, args, trainable = self.s, self.s.args, self.trainable
+        if s.technique == "cp":  # cp-ft sums the ranks' gradients first (then clips the whole gradient, below)
+            s.script.all_reduce_grads(trainable)
         if s.technique == "tp":  # the scripts' own clips: each mixes sharded and replicated gradients
             s.script.clip_grads(trainable, args.max_grad_norm)
         elif s.technique == "tp-sp":  # tp-sp-ft also sums the replicated LoRA gradients' shares first
