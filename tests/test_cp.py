@@ -66,6 +66,24 @@ def test_four_ranks_take_the_single_process_steps(tmp_path, reference):
     assert set(summary["comm"]) == {"all_gather", "reduce_scatter", "all_reduce"}
 
 
+def test_two_data_parallel_groups_of_two_take_the_single_process_steps(tmp_path):
+    """--cp 2 on 4 ranks: ranks 0-1 and 2-3 each split one meeting of every step (a global batch of 2), their
+    gathers inside their group, the gradients summed over all four: single-gpu-ft's steps on the same meetings
+    (at 3,200 tokens four training meetings are kept, so each step's two differ)."""
+    wider = [f if f != str(MAX_LENGTH) else "3200" for f in flags()]
+    wider[wider.index("--batch-size") + 1] = "2"
+    (tmp_path / "ref").mkdir()
+    ref = parity.reference(tmp_path / "ref", *wider, "--no-packing", quant="none")
+    run = parity.torchrun(CP_TRAIN, *wider, "--cp", "2", "--output-dir", str(tmp_path / "dp2cp2"), nproc=4)
+    assert run.returncode == 0, run.report()
+    assert "dp 2 x cp 2" in run.ranks[0]["stdout"]
+    assert parity.compare_losses(run.run_dir, ref) <= parity.LOSS_TOL
+    assert parity.compare_losses(run.run_dir, ref, "eval_loss") <= parity.LOSS_TOL
+    assert parity.compare_adapters(run.run_dir / "adapter", ref / "adapter") <= parity.ADAPTER_TOL
+    summary = json.loads((run.run_dir / "summary.json").read_text())
+    assert summary["comm_bytes_per_step"] == pytest.approx(summary["comm_theory_bytes_per_step"], rel=1e-12)
+
+
 def test_two_ranks_stopped_and_resumed_take_the_single_process_steps(tmp_path, reference):
     out = tmp_path / "cp2"
     first = parity.torchrun(CP_TRAIN, *flags("--stop-after", "1"), "--output-dir", str(out))
@@ -151,7 +169,7 @@ def test_at_one_rank_the_chunked_attention_is_the_models_own_and_the_mask_trap_i
     "world, argv, message",
     [
         (4, ["--cp", "3"], "--cp 3 must divide the world size 4"),
-        (4, ["--cp", "2"], "pass --cp 4, or run --nproc_per_node=2"),
+        (4, ["--cp", "2", "--batch-size", "1"], "--batch-size 1 is not a multiple of --micro-batch-size 1 x 2"),
         (2, ["--max-length", "4095"], "cannot be cut into 2 x --cp = 4 equal chunks: pass --max-length 4096"),
     ],
 )

@@ -14,7 +14,11 @@ for the 32 query heads: a quarter of Q's bytes) and each local chunk attends cau
 backward reduce-scatters their gradients to the ranks that own them. The loss is each rank's answer tokens over
 the global batch's target tokens, and the LoRA gradients are summed over the ranks, as DDP's all-reduce does.
 
+With more ranks than --cp, the world is a grid of world/cp data-parallel groups (each its own meetings) of --cp
+consecutive ranks (one meeting's chunks: the per-layer gathers stay among neighbours, inside a node):
+
     uv run torchrun --nproc_per_node=2 experiments/cp-ft/train.py            # Qwen3-4B, whole meetings, 32k tokens
+    uv run torchrun --nproc_per_node=4 experiments/cp-ft/train.py --cp 2     # 2 meetings at a time, 2 GPUs each
     uv run torchrun --nproc_per_node=2 experiments/cp-ft/train.py --smoke    # CPU, gloo
 
 One row per meeting, right-padded to a multiple of 2 x cp: packing does not apply to one sequence per row.
@@ -29,6 +33,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from peft import set_peft_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention.bias import causal_lower_right
 from transformers import AttentionInterface
 
@@ -64,7 +69,13 @@ TRAP = (
 
 def parse_args():
     p = cli.common_parser(__doc__.splitlines()[0], experiment="cp-ft")
-    p.add_argument("--cp", type=int, default=None, help="ranks each sequence is split over [the world size]")
+    p.add_argument(
+        "--cp",
+        type=int,
+        default=None,
+        help="ranks each sequence is split over; the world / cp groups of them train on different meetings "
+        "[the world size]",
+    )
     args = p.parse_args()
     for key, value in (SMOKE if args.smoke else REAL).items():  # this experiment's own defaults
         if getattr(args, key) is None:
@@ -93,10 +104,11 @@ class GatherKV(torch.autograd.Function):
 
 
 class Chunks:
-    """Which chunks of the padded sequence this rank holds: chunk r and chunk 2cp-1-r, `size` tokens each."""
+    """Which chunks of the padded sequence this rank holds: chunk r and chunk 2cp-1-r, `size` tokens each; `group`:
+    the ranks that hold the others (None: the default group)."""
 
-    def __init__(self, cp: int, rank: int, length: int):
-        self.cp, self.size = cp, length // (2 * cp)
+    def __init__(self, cp: int, rank: int, length: int, group: dist.ProcessGroup | None = None):
+        self.cp, self.size, self.group = cp, length // (2 * cp), group
         self.mine = (rank, 2 * cp - 1 - rank)
         # Where each global chunk sits in the gathered tensor: (rank, slot 0 or 1)
         self.home = [(c, 0) if c < cp else (2 * cp - 1 - c, 1) for c in range(2 * cp)]
@@ -115,8 +127,8 @@ def cp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
     heads; each chunk c's queries attend to keys 0 .. (c+1) x size, causally aligned at the bottom right."""
     if attention_mask is not None:
         raise RuntimeError(TRAP)
-    group, n = dist.group.WORLD, CHUNKS.size
-    k_all, v_all = GatherKV.apply(key, group), GatherKV.apply(value, group)
+    n = CHUNKS.size
+    k_all, v_all = GatherKV.apply(key, CHUNKS.group), GatherKV.apply(value, CHUNKS.group)
     # The gathered chunks in sequence order: global chunk c is slot s of rank r's local tokens.
     k_seq = torch.cat([k_all[r][:, :, s * n : (s + 1) * n] for r, s in CHUNKS.home], dim=2)
     v_seq = torch.cat([v_all[r][:, :, s * n : (s + 1) * n] for r, s in CHUNKS.home], dim=2)
@@ -136,14 +148,14 @@ def cp_attention(module, query, key, value, attention_mask, dropout=0.0, scaling
 AttentionInterface.register("cp", cp_attention)
 
 
-def shard(mb: dict, cp: int, rank: int) -> dict:
+def shard(mb: dict, cp: int, rank: int, group: dist.ProcessGroup | None = None) -> dict:
     """This rank's part of a padded micro-batch: its two chunks' input ids and global positions, and the answer
     positions among its tokens with their targets (a rank with none keeps one position and no target: its backward
     must still run, for the collectives)."""
     global CHUNKS
     mb = batching.pad_to_multiple(mb, 2 * cp)
     rows, length = mb["input_ids"].shape
-    CHUNKS = Chunks(cp, rank, length)
+    CHUNKS = Chunks(cp, rank, length, group)
     positions = CHUNKS.local(torch.arange(length).expand(rows, length))
     labels = mb["labels"]
     nxt = torch.cat([labels[:, 1:], torch.full((rows, 1), batching.IGNORE_INDEX)], dim=1)  # the token each predicts
@@ -197,40 +209,40 @@ def comm_theory(config, args, padded_tokens: float, trainable: list[torch.Tensor
     return {"all_gather": gathers * per_pass, "reduce_scatter": per_pass, "all_reduce": comm.nbytes(trainable)}
 
 
-def check_layout(args, world: int) -> int:
-    """The CP degree (--cp, or the world size), or the reason cp-ft cannot split this run's sequences."""
+def check_layout(args, world: int) -> tuple[int, int]:
+    """(DP, CP): the CP degree (--cp, or the world size) and the data-parallel groups of it, or the reason cp-ft
+    cannot split this run's sequences and batches so."""
     cp = args.cp or world
     if cp <= 0 or world % cp:
         raise errors.RunError(f"--cp {cp} must divide the world size {world}")
-    if cp != world:
-        raise errors.RunError(
-            f"cp-ft splits each sequence over every rank (no data parallelism yet): pass --cp {world}, or run "
-            f"--nproc_per_node={cp}"
-        )
     ranks.check_cp_chunks(args.max_length, cp)
-    return cp
+    batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=world // cp)
+    return world // cp, cp
 
 
 def main() -> None:
     args = parse_args()
     ranks.torchrun_local_rank()
     world = int(os.environ["WORLD_SIZE"])
-    cp = check_layout(args, world)  # refused before the group and the model, on every rank alike
+    dp, cp = check_layout(args, world)  # refused before the group and the model, on every rank alike
     config = models.model_config(args.model)
     if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"]):
         raise errors.RunError(f"cp-ft's attention is full causal attention; {args.model} has {config.layer_types}")
 
     device, splits = prepare.start_ranks(args)
     rank = dist.get_rank()
+    mesh = init_device_mesh(device.type, (dp, cp), mesh_dim_names=("dp", "cp"))  # rank = dp_rank x cp + cp_rank
+    dp_rank, cp_rank, cp_group = mesh["dp"].get_local_rank(), mesh["cp"].get_local_rank(), mesh["cp"].get_group()
     dtype = cli.torch_dtype(args.dtype)
     run_dir, resume_from = ranks.on_rank0(rundir.resolve, args)
 
-    # ---- data: whole meetings (--task meetings), one padded row each. Every rank takes the same micro-batches.
+    # ---- data: whole meetings (--task meetings), one padded row each. A CP group's ranks take the same micro-batches.
     tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
     batches = batching.global_batches(args, train_set)
-    accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
-    eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.micro_batch_size)  # every rank: all
-    if not train_set or not eval_batches:
+    accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=dp)
+    held_out = evaluation.micro_batches(val_set, args.eval_examples, args.micro_batch_size)
+    eval_batches = held_out[dp_rank::dp]  # dealt to the DP groups; a group may have none (its sums are 0)
+    if not train_set or not held_out:
         raise errors.RunError(
             f"--task {args.task} at --max-length {args.max_length} keeps no training or held-out example: raise "
             "--max-length (whole meetings are 9-20k tokens; 2,592 keeps one of each with --smoke)"
@@ -249,7 +261,9 @@ def main() -> None:
     compiled = compilation.compile_layers(model, args.compile, eager_because=EAGER_BECAUSE)
     model = lora.adapters_compute_in(model, dtype)
     counts = models.parameter_counts(model)
-    ranks.print0(f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen; cp {cp}")
+    ranks.print0(
+        f"parameters: {counts['trainable']:,} trainable (LoRA), {counts['frozen']:,} frozen; dp {dp} x cp {cp}"
+    )
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer, scheduler = optim.adamw_cosine(trainable, args)
     recorder = comm.CommRecorder(device)
@@ -266,7 +280,9 @@ def main() -> None:
         checkpoint.restore_rng(resume_from, state, rank, world)
         start_step = state["step"]
 
-    log = rundir.start_log(args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, cp=cp)
+    log = rundir.start_log(
+        args, run_dir, device, train_stats, counts, accum, start_step, resume_from, config, dp=dp, cp=cp
+    )
 
     def save_checkpoint(step: int) -> None:
         rng = [None] * world if rank == 0 else None
@@ -285,10 +301,10 @@ def main() -> None:
         model.eval()
         sums = torch.zeros(2, dtype=torch.float64, device=device)
         for mb in eval_batches:
-            part = shard(mb, cp, rank)
+            part = shard(mb, cp, cp_rank, cp_group)
             sums[0] += forward_loss(model, part, device, dtype).double()
             sums[1] += (part["targets"] != batching.IGNORE_INDEX).sum()
-        dist.all_reduce(sums)  # each rank's answer tokens: the sum is the whole set's
+        dist.all_reduce(sums)  # each rank's answer tokens, each group's meetings: the sum is the whole set's
         model.train()
         return (sums[0] / sums[1]).item()
 
@@ -301,8 +317,8 @@ def main() -> None:
             n_target = batches.n_target(step)  # the whole global batch's target tokens: the loss denominator
             loss_sum = torch.zeros((), device=device)
             with metrics.StepTimer(device) as timer, comm.recording(recorder):
-                for mb in batches.micro_batches(step, args.micro_batch_size):
-                    loss = forward_loss(model, shard(mb, cp, rank), device, dtype) / n_target
+                for mb in batches.micro_batches(step, args.micro_batch_size, dp_rank, dp):
+                    loss = forward_loss(model, shard(mb, cp, cp_rank, cp_group), device, dtype) / n_target
                     loss.backward()  # every rank, answer tokens or not: its gathers' reduce-scatters are collectives
                     loss_sum += loss.detach()
                 all_reduce_grads(trainable)
@@ -320,7 +336,7 @@ def main() -> None:
                 lengths=batches.lengths(step),
                 seconds=timer.seconds,
                 comm=recorder.take(),
-                **batches.layout(step, args.micro_batch_size, multiple=2 * cp),
+                **batches.layout(step, args.micro_batch_size, dp_rank, dp, multiple=2 * cp),
             )
             if (step + 1) % args.eval_every == 0 or step + 1 == args.max_steps:
                 row["eval_loss"] = eval_loss()
@@ -337,11 +353,11 @@ def main() -> None:
     if finished:
         model.save_pretrained(run_dir / "adapter", save_embedding_layers=False)
     steps = [r["step"] - 1 for r in log.rows]
-    padded = [batches.padded_tokens(s, args.micro_batch_size, multiple=2 * cp) for s in steps]
+    padded = [batches.padded_tokens(s, args.micro_batch_size, dp_rank, dp, multiple=2 * cp) for s in steps]
     theory = sum(comm_theory(config, args, sum(padded) / max(1, len(padded)), trainable).values())
     summary = log.run_summary(
         last_step,
-        predicted=metrics.predicted_memory(config, args, "cp", world_size=cp),
+        predicted=metrics.predicted_memory(config, args, "cp", world_size=world, cp=cp),
         note=metrics.memory_note(device),
         compile=compilation.compile_report(compiled),
         comm_theory_bytes_per_step=theory,

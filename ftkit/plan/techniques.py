@@ -42,7 +42,9 @@ def candidates(s: Setting) -> list[tuple[str, dict[str, int], str]]:
         out += [("ddp", {"dp": w}, "nf4"), ("ddp", {"dp": w}, "none")]
         out += [("fsdp", {"dp": w}, "nf4"), ("fsdp", {"dp": w}, "none")]
         out += [("pp", {"pp": w}, "none"), ("tp", {"tp": w}, "none"), ("tp-sp", {"tp": w}, "none")]
-        out += [("cp", {"cp": w}, "none")]  # cp-ft: every rank a share of every sequence
+        # cp-ft: each sequence over cp ranks of one node (its per-layer gathers), data parallelism over the rest
+        cps = [c for c in range(2, min(w, s.per_node) + 1) if w % c == 0 and s.per_node % c == 0]
+        out += [("cp", {"dp": w // c, "cp": c} if w > c else {"cp": c}, "none") for c in cps]
         # TP inside a node, FSDP over the rest
         tps = [t for t in range(2, s.per_node + 1) if s.per_node % t == 0 and w > t]
         out += [("fsdp-tp", {"dp": w // t, "tp": t}, "none") for t in tps]

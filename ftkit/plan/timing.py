@@ -137,13 +137,15 @@ def exposed_comm(
     if technique == "cp":
         # cp-ft: per layer and micro-batch, K and V all-gathered (in forward, and again in checkpointing's recompute)
         # and their gradients reduce-scattered, each [rows, width, kv heads x head_dim] bf16 whole, on the critical
-        # path (the script does not overlap them); then the LoRA gradients' one all-reduce, after backward.
+        # path (the script does not overlap them), inside a node; then the LoRA gradients' one all-reduce over every
+        # rank, after backward.
         gathers = 2 if s.grad_checkpointing else 1
         kv = [m.rows * m.width * shape.kv_dim * BF16 for m in step.micros]
         exposed = sum(
-            2 * shape.layers * (gathers * coll("all_gather", b, cp) + coll("reduce_scatter", b, cp)) for b in kv
+            2 * shape.layers * (gathers * coll("all_gather", b, cp, True) + coll("reduce_scatter", b, cp, True))
+            for b in kv
         )
-        exposed += coll("all_reduce", FP32 * n_lora, cp)
+        exposed += coll("all_reduce", FP32 * n_lora, dp * cp)
     if technique == "pp":
         bubble = (pp - 1) / accum * busy
         hop = s.inter_node_link if spans_nodes else s.link
