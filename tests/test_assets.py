@@ -90,6 +90,25 @@ def test_the_real_scale_table_is_the_committed_runs(capsys):
     assert "(../devlogs/runs/realscale/README.md#the-memory-posts-figures-checked)" in post
 
 
+def test_the_cp_devlogs_fake_tensor_table_is_the_committed_runs():
+    """devlogs/cp-ft.md's table of cp-ft's fake-tensor runs, and its bytes per step, are the committed JSON files'."""
+    devlog = (ROOT / "devlogs" / "cp-ft.md").read_text()
+    rows = re.findall(r"^\| (cp-world\d)(, no checkpointing)? \| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \|$", devlog, re.M)
+    assert len(rows) == 4
+    for name, no_checkpointing, tracked, predicted, ratio in rows:
+        stem = name + ("-no-checkpointing" if no_checkpointing else "")
+        r = json.loads((ROOT / "devlogs" / "runs" / "realscale" / f"{stem}.json").read_text())
+        shown = (f"{r['tracked_peak_bytes'] / 2**30:.2f}", f"{r['predicted_bytes'] / 2**30:.2f}")
+        assert shown + (f"{r['tracked_over_predicted']:.3f}",) == (tracked, predicted, ratio), stem
+    r = json.loads((ROOT / "devlogs" / "runs" / "realscale" / "cp-world2.json").read_text())
+    sent = r["collective_bytes"]
+    assert sent == r["collective_bytes_theory"]
+    assert (
+        f"{sent['all_gather'] / 1e9:.1f} GB all-gathered, {sent['reduce_scatter'] / 1e9:.1f} GB reduce-scattered, "
+        f"{sent['all_reduce'] / 1e6:.0f} MB"
+    ) in " ".join(devlog.split())
+
+
 def test_the_ddp_posts_link_table_is_the_models(capsys):
     """blogs/ddp.md's all-reduce times per link are assets/ddp_comm_model.py's, which reads the links from
     ftkit/hardware.py, the planner's table: one PCIe figure everywhere."""
