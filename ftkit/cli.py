@@ -80,8 +80,8 @@ def _add_model_data_and_run(g: argparse._ArgumentGroup) -> None:
         "--task",
         choices=["all", "spans", "meetings"],
         default=None,
-        help="the queries trained and evaluated on: QMSum's span queries, its whole-meeting summaries (9-20k tokens "
-        "of Qwen3's vocabulary; cp-ft's default) or both [all]",
+        help="the queries trained and evaluated on: QMSum's span queries, its whole-meeting summaries (transcripts of "
+        "up to 15k words, 20.6k tokens of the tiny tokenizer; cp-ft's default) or both [all]",
     )
     g.add_argument(
         "--output-dir",

@@ -56,7 +56,7 @@ def test_a_quote_names_its_file_and_is_its_code(post, line, block):
 
 
 # The series in reading order: the framework post first, then one technique after another.
-SERIES = ["what-fills-gpu-memory.md", "ddp.md", "fsdp.md", "tp-sp.md", "pp.md", "fsdp-tp.md"]
+SERIES = ["what-fills-gpu-memory.md", "ddp.md", "fsdp.md", "tp-sp.md", "pp.md", "fsdp-tp.md", "cp.md"]
 FIGURE = re.compile(r"!\[[^\]]+\]\(\.\./assets/([\w.-]+\.png)\)")
 
 

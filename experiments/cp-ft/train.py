@@ -1,9 +1,10 @@
 """Context parallel LoRA: finetune Qwen3-4B on whole meetings, each sequence split along its length over GPUs.
 
-A whole AMI meeting is 16-32k tokens of Qwen3's vocabulary, and one sequence's activations at 32k no longer fit a
-24 GB card. Context parallelism (CP) cuts every sequence into 2 x --cp chunks, and rank r holds chunks r and
-2cp-1-r, so that every rank has as much causal attention to compute (Brandon et al. 2023, arXiv 2311.09431;
-Llama 3, Dubey et al. 2024, arXiv 2407.21783, Sec. 3.3.2):
+A whole AMI meeting's transcript runs up to 15k words (20.6k tokens of the tiny tokenizer), and at Qwen3-4B's 32k
+context one sequence's activations no longer fit a 24 GB card beside a bf16 base. Context parallelism (CP) cuts
+every sequence into 2 x --cp chunks, and rank r holds chunks r and 2cp-1-r, so that every rank has as much causal
+attention to compute (Llama 3, Dubey et al. 2024, arXiv 2407.21783, Sec. 3.3.2; the imbalance of contiguous
+slices: Brandon et al. 2023, arXiv 2311.09431):
 
     --cp 2:   | c0 | c1 | c2 | c3 |      rank 0: c0 + c3      rank 1: c1 + c2
     causal work:  1    2    3    4       1 + 4 = 5            2 + 3 = 5
@@ -245,7 +246,7 @@ def main() -> None:
     if not train_set or not held_out:
         raise errors.RunError(
             f"--task {args.task} at --max-length {args.max_length} keeps no training or held-out example: raise "
-            "--max-length (whole meetings are 9-20k tokens; 2,592 keeps one of each with --smoke)"
+            "--max-length (whole meetings run up to 15k words; 2,592 keeps one of each with --smoke)"
         )
 
     # ---- model: the whole bf16 base on every rank, its attention `cp`, LoRA from --seed: every rank the same
