@@ -83,11 +83,12 @@ class Forked:
 
 class ForkServer:
     """The client of tests/forkserver.py: started on the first run, stopped with the test session. One run at a
-    time, as the tests run."""
+    time, as the tests run. With `socket`, a server for other processes instead (forkserver.py --socket): their
+    runs go through tests/forkclient.py, not `start`."""
 
-    def __init__(self) -> None:
+    def __init__(self, socket: Path | None = None) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "forkserver.py")],
+            [sys.executable, str(ROOT / "tests" / "forkserver.py"), *(["--socket", str(socket)] if socket else [])],
             cwd=ROOT,
             # numpy's OpenBLAS starts a worker thread when imported; one BLAS thread keeps the server single-threaded
             env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
@@ -135,6 +136,16 @@ def fork_server() -> ForkServer:
         _fork_server = ForkServer()
         atexit.register(_fork_server.stop)
     return _fork_server
+
+
+@pytest.fixture(scope="session")
+def fork_socket(tmp_path_factory) -> Path:
+    """The socket of a fork server that processes the tests start reach (FORKSERVER_SOCKET, with
+    `python tests/forkclient.py` as their python): one for the session, as its start imports the stack."""
+    path = tmp_path_factory.mktemp("forkserver") / "socket"
+    server = ForkServer(socket=path)
+    yield path
+    server.stop()
 
 
 def run_script(

@@ -4,10 +4,12 @@ once, and forks a child per run that starts as `python <script> args` (or `pytho
 Importing that stack costs ~8-11 CPU-s per process on the 2-core CI machine, and a run of the tiny model a few
 seconds more: most of a reference run, an infer run, a realscale check or a torchrun rank was the import. A forked
 child starts with the modules loaded and everything else as a fresh `python` gives it: the run's argv, working
-directory and environment, sys.path[0] (the script's folder, or the working directory for -m), -u or
-PYTHONUNBUFFERED, stdin from /dev/null, stdout and stderr to files, a session of its own (so a run past its
-timeout is stopped with everything it started), and the exit code the interpreter would return (SystemExit's
-code, 1 after an uncaught exception's traceback).
+directory and environment, sys.path (the script's folder, the working directory for -m, '' for -c and -, then
+PYTHONPATH's folders and the installed ones), sys.stdin, sys.stdout and sys.stderr as -u or PYTHONUNBUFFERED
+make them, stdin from /dev/null, stdout and stderr to files, the default dispositions of the signals that stop a
+process, a session of its own (so a run past its timeout is stopped with everything it started), and the exit
+code the interpreter would return (SystemExit's code, 1 after an uncaught exception's traceback, SIGINT after a
+KeyboardInterrupt's).
 
 Torchrun launches: the agent (`-m torch.distributed.run`) is forked from the server, and with "fork_workers" it
 forks its workers too instead of starting `python -u script args` for each (fork_torchrun_workers). The agent
@@ -22,20 +24,36 @@ applies with torch.set_num_threads. A run that must have its own imports uses a 
 (`run_script(..., fresh=True)`); the README's `uv run` commands start fresh processes, as a reader's do.
 
 Protocol, one JSON object per line: request {"argv", "cwd", "env", "stdout", "stderr", "fork_workers"}; replies
-{"pid": ...} when the child has started, then {"returncode": ...} when it has ended."""
+{"pid": ...} when the child has started, then {"returncode": ...} when it has ended.
+
+`--socket PATH`: the same server for processes other than the one that started it, on a Unix socket at PATH
+(conftest's `fork_socket`); tests/forkclient.py, given as `python`, is its client. Each connection is one run: the
+request {"argv", "cwd", "env", "fork_workers", "ignored"} ("ignored": the stopping signals the client ignores,
+which a child of its would inherit) with the client's fds 0, 1 and 2 passed along (SCM_RIGHTS), so that the child
+reads and writes the client's own stdin, stdout and stderr (redirections, pipes, here-documents); the same two
+replies. Connections are served at once, each by a handler forked for it, which forks the run and waits for it;
+if the client goes away first (killed outright: a signal it can catch, it passes on itself), the handler kills
+the run's process group. The environment caveat holds for the client's environment: a variable read when the
+stack is imported (OMP_NUM_THREADS, HF_HUB_OFFLINE, a PYTHONPATH naming another transformers) keeps the value the
+server started with; PYTHONPATH's folders do go on sys.path, for the modules not imported yet (ftkit). Closing
+the server's stdin stops it, as it stops the pipe server."""
 
 from __future__ import annotations
 
 import io
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Iterable
 from typing import NoReturn
 
+STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2)
 PRELOAD = (
     "torch",
     "torch.distributed",
@@ -50,19 +68,32 @@ PRELOAD = (
 )
 
 
-def child(request: dict) -> NoReturn:
-    """Become `python argv...` as the request describes it, and never return."""
+def python_path(environ: dict[str, str]) -> list[str]:
+    """PYTHONPATH's folders, as the interpreter puts them on sys.path (absolute)."""
+    value = environ.get("PYTHONPATH", "")
+    return [os.path.abspath(p) for p in value.split(os.pathsep)] if value else []
+
+
+# sys.path after its first entry, less the server's own PYTHONPATH: the installed folders, behind a run's PYTHONPATH
+INSTALLED_PATH = [p for p in sys.path[1:] if p not in python_path(os.environ)]
+
+
+def child(request: dict, streams: list[int] | None = None) -> NoReturn:
+    """Become `python argv...` as the request describes it, and never return: with `streams` (the client's stdin,
+    stdout and stderr, socket mode) as fds 0, 1 and 2, or stdin from /dev/null and the request's output files."""
     try:
         os.chdir(request["cwd"])
-        redirect(0, os.open(os.devnull, os.O_RDONLY))
-        files = {  # one file if stdout and stderr are the same path: 2>&1
-            path: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-            for path in {request["stdout"], request["stderr"]}
-        }
-        become(request["env"], files[request["stdout"]], files[request["stderr"]])
-        for fd in files.values():
+        if streams is None:
+            files = {  # one file if stdout and stderr are the same path: 2>&1
+                path: os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+                for path in {request["stdout"], request["stderr"]}
+            }
+            streams = [os.open(os.devnull, os.O_RDONLY), files[request["stdout"]], files[request["stderr"]]]
+        redirect(0, streams[0])
+        become(request["env"], streams[1], streams[2])
+        for fd in set(streams[1:]):
             os.close(fd)
-        sys.stdout = sys.__stdout__  # the server writes its replies only to the channel it was started with
+        fresh_signals(request.get("ignored", ()))
         if request.get("fork_workers"):
             fork_torchrun_workers()
     except BaseException:
@@ -82,34 +113,60 @@ def become(env: dict[str, str], stdout: int | None, stderr: int | None) -> None:
             os.dup2(to, fd)
 
 
+def fresh_signals(ignored: Iterable[int] = ()) -> None:
+    """The dispositions a fresh interpreter starts with for the signals that stop a process, whatever the server's
+    or the agent's are: ignored if its parent ignores them (`ignored`), else KeyboardInterrupt for SIGINT and the
+    default for the others."""
+    for sig in STOPPING:
+        if sig in ignored:
+            signal.signal(sig, signal.SIG_IGN)
+        else:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+
+
 def redirect(fd: int, to: int) -> None:
     os.dup2(to, fd)
     os.close(to)
 
 
 def run_as_python(argv: list[str]) -> NoReturn:
-    """Run `python argv...` in this process: -u, a script or -m module, sys.path[0] as the interpreter sets it, and
-    exit with the code it would (SystemExit's, or 1 after an uncaught exception's traceback)."""
+    """Run `python argv...` in this process: -u, then a script, -m module, -c code or - (the script on stdin),
+    sys.path as the interpreter sets it, and end as it would: SystemExit's code, 1 after an uncaught exception's
+    traceback, SIGINT after a KeyboardInterrupt's."""
     code = 1
     try:
-        if argv[0] == "-u" or os.environ.get("PYTHONUNBUFFERED"):
-            unbuffered()
-        argv = argv[1:] if argv[0] == "-u" else argv
+        std_streams(unbuffered=argv[:1] == ["-u"] or bool(os.environ.get("PYTHONUNBUFFERED")))
+        argv = argv[1:] if argv[:1] == ["-u"] else argv
         import runpy
 
+        if not argv or (argv[0].startswith("-") and argv[0] not in ("-m", "-c", "-")):
+            raise SystemExit(f"forkserver: python {' '.join(argv)}: only [-u] SCRIPT, -m, -c or - is forked")
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
-            sys.path[0] = os.getcwd()
+            set_path(os.getcwd())
             runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        elif argv[0] == "-c":
+            sys.argv = ["-c", *argv[2:]]
+            set_path("")
+            run_main(argv[1], "<string>")
+        elif argv[0] == "-":
+            sys.argv = list(argv)
+            set_path("")
+            run_main(sys.stdin.buffer.read(), "<stdin>", __file__="<stdin>", __cached__=None)
         else:
             sys.argv = list(argv)
-            sys.path[0] = os.path.dirname(os.path.abspath(argv[0]))
+            set_path(os.path.dirname(os.path.abspath(argv[0])))
             runpy.run_path(argv[0], run_name="__main__")
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, int | None):
             print(e.code, file=sys.stderr)
+    except KeyboardInterrupt:  # the interpreter ends on one by SIGINT itself, after the traceback
+        traceback.print_exc()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
     except BaseException:
         traceback.print_exc()
     finally:
@@ -118,12 +175,40 @@ def run_as_python(argv: list[str]) -> NoReturn:
         os._exit(code)
 
 
-def unbuffered() -> None:
-    """sys.stdout and sys.stderr as `python -u` (or PYTHONUNBUFFERED) makes them: every write reaches the file."""
-    for name, fd in (("stdout", 1), ("stderr", 2)):
-        stream = getattr(sys, name)
-        raw = io.FileIO(fd, "w", closefd=False)
-        setattr(sys, name, io.TextIOWrapper(raw, stream.encoding, stream.errors, write_through=True))
+def set_path(first: str) -> None:
+    """sys.path as a fresh interpreter started with this environment has it: `first`, PYTHONPATH, the installed."""
+    sys.path[:] = [first, *dict.fromkeys(python_path(os.environ) + INSTALLED_PATH)]
+
+
+def run_main(source: str | bytes, filename: str, **names: object) -> None:
+    """Run code as a fresh interpreter runs -c or - : in a new __main__ module, with the names it gives that one."""
+    import builtins
+    import importlib.machinery
+    import types
+
+    main = types.ModuleType("__main__")
+    main.__dict__.update(
+        __builtins__=builtins, __loader__=importlib.machinery.BuiltinImporter, __annotations__={}, **names
+    )
+    sys.modules["__main__"] = main
+    exec(compile(source, filename, "exec"), main.__dict__)
+
+
+def std_streams(unbuffered: bool) -> None:
+    """sys.stdin, sys.stdout and sys.stderr over fds 0, 1 and 2 as a fresh interpreter makes them, not the
+    server's: with -u (PYTHONUNBUFFERED) every write reaches the file; otherwise writes are buffered, stdout's by
+    line on a terminal, stderr's always."""
+    for name, fd in (("stdin", 0), ("stdout", 1), ("stderr", 2)):
+        old = getattr(sys, name)
+        raw = io.FileIO(fd, "r" if fd == 0 else "w", closefd=False)
+        if fd and unbuffered:
+            stream = io.TextIOWrapper(raw, old.encoding, old.errors, newline="\n", write_through=True)
+        else:
+            buffered = io.BufferedReader(raw) if fd == 0 else io.BufferedWriter(raw)
+            line = fd == 2 or raw.isatty()
+            stream = io.TextIOWrapper(buffered, old.encoding, old.errors, newline="\n", line_buffering=line)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
 
 
 class ForkedWorker:
@@ -163,8 +248,7 @@ def fork_torchrun_workers() -> None:
             return ForkedWorker(pid)
         try:
             become(env, *(None if file is None else file.fileno() for file in (handler._stdout, handler._stderr)))
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
-                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL)
+            fresh_signals()
             if "OMP_NUM_THREADS" in env:  # read by the OpenMP runtime when torch was imported, here before it
                 import torch
 
@@ -177,9 +261,13 @@ def fork_torchrun_workers() -> None:
     subprocess_handler.SubprocessHandler._popen = popen
 
 
-def serve() -> None:
+def serve(socket_path: str | None = None) -> None:
     import importlib
 
+    if socket_path is not None:  # bound before the imports: a client that comes early waits for them
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(socket_path)
+        listener.listen()
     for name in PRELOAD:
         importlib.import_module(name)
     # fork() copies one thread: a server that had started others (a thread pool) would hand its children locks
@@ -188,6 +276,9 @@ def serve() -> None:
     replies = sys.stdout
     sys.stdout = sys.stderr  # nothing else may write to the reply channel
     print(json.dumps({"ready": threads == 1, "threads": threads}), file=replies, flush=True)
+    if socket_path is not None:
+        serve_socket(listener)
+        return
     for line in sys.stdin:
         request = json.loads(line)
         pid = os.fork()
@@ -198,5 +289,81 @@ def serve() -> None:
         print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), file=replies, flush=True)
 
 
+def serve_socket(listener: socket.socket) -> None:
+    """Fork a handler per connection (the server keeps its one thread) until stdin closes, reaping the handlers
+    that have ended."""
+    while True:
+        readable = select.select([listener, sys.stdin], [], [])[0]
+        if sys.stdin in readable and not os.read(0, 1 << 16):
+            break
+        if listener in readable:
+            conn, _ = listener.accept()
+            if os.fork() == 0:
+                listener.close()
+                handle(conn)
+            conn.close()
+        try:
+            while os.waitpid(-1, os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:  # no handler left
+            pass
+    os.unlink(listener.getsockname())
+    listener.close()
+
+
+def handle(conn: socket.socket) -> NoReturn:
+    """Serve one connection, in a process forked for it, and never return: read the request and the client's
+    fds, fork the run, reply its pid, wait for it, reply its exit code."""
+    try:
+        data, streams, _, _ = socket.recv_fds(conn, 1 << 16, 3)
+        while not data.endswith(b"\n"):
+            more = conn.recv(1 << 16)
+            if not more:
+                raise ConnectionError("the client left before the end of its request")
+            data += more
+        request = json.loads(data)
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            child(request, streams)
+        for fd in streams:  # the run's now: kept open here, a pipe the client was given would outlive the run
+            os.close(fd)
+        send(conn, {"pid": pid})
+        send(conn, {"returncode": wait_for(pid, conn)})
+    except BaseException:
+        traceback.print_exc()
+        os._exit(1)
+    os._exit(0)
+
+
+def send(conn: socket.socket, reply: dict) -> None:
+    try:
+        conn.sendall((json.dumps(reply) + "\n").encode())
+    except OSError:  # the client has gone; wait_for kills its run
+        pass
+
+
+def wait_for(pid: int, conn: socket.socket) -> int:
+    """The run's exit code (waitstatus_to_exitcode's); if the client's connection closes first, SIGKILL the run's
+    process group: the run and what it started."""
+    run = os.pidfd_open(pid)
+    watched = [run, conn]
+    # The client sends nothing after its request: its end readable means it closed.
+    while run not in select.select(watched, [], [])[0]:
+        kill_run(pid, signal.SIGKILL)
+        watched = [run]
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status)
+
+
+def kill_run(pid: int, sig: int) -> None:
+    """Send sig to the run's process group; to the run alone if it has not yet made its session (setsid)."""
+    try:
+        os.killpg(pid, sig)
+    except ProcessLookupError:
+        os.kill(pid, sig)
+
+
 if __name__ == "__main__":
-    serve()
+    serve(sys.argv[2] if sys.argv[1:2] == ["--socket"] else None)
+    os._exit(0)  # not the interpreter's teardown of the stack (~2 s, waited for by the tests): nothing is left to flush

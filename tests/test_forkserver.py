@@ -1,12 +1,15 @@
 """The fork server the tests start their single-process runs and torchrun agents from (tests/forkserver.py) gives a
 script what `python script args` from the repository root would: argv, working directory, environment,
-sys.path[0], __name__, stdin, output, exit code, and a stop at the timeout, with whatever the run started."""
+sys.path[0], __name__, stdin, output, exit code, and a stop at the timeout, with whatever the run started. And
+tests/forkclient.py, as the `python` of a process the tests start, gives it what `python args` would."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -132,3 +135,172 @@ def test_forked_torchrun_workers_are_what_torchrun_starts(tmp_path, monkeypatch)
         assert seen == expected, (rank, seen, expected)
         assert seen["rank"] == str(rank) and seen["threads"] == 1 and seen["unbuffered"] and seen["session_leader"]
         assert forked.ranks[rank]["stderr"] == fresh.ranks[rank]["stderr"] == "to stderr\n"
+
+
+# tests/forkclient.py: the fork server (--socket) reached from processes other than the test session's
+
+
+def client(fork_socket, *args: str, **kwargs) -> subprocess.Popen:
+    """`python tests/forkclient.py args...`: `python args...` forked from the session's socket fork server."""
+    env = {**kwargs.pop("env", os.environ), "FORKSERVER_SOCKET": str(fork_socket)}
+    return subprocess.Popen([sys.executable, str(ROOT / "tests" / "forkclient.py"), *args], env=env, **kwargs)
+
+
+def both(fork_socket, args: list[str], **kwargs) -> tuple[subprocess.CompletedProcess, subprocess.CompletedProcess]:
+    """`python args` forked through the client, and the same in a fresh interpreter: (forked, fresh)."""
+    stdin = kwargs.pop("input", None)
+    runs = []
+    for proc in (
+        client(fork_socket, *args, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs),
+        subprocess.Popen(
+            [sys.executable, *args], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, **kwargs
+        ),
+    ):
+        out, err = proc.communicate(stdin, timeout=60)
+        runs.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.decode(), err.decode()))
+    return runs[0], runs[1]
+
+
+CLIENT_PROBE = """
+import json, os, sys
+import ftkit, probe_lib
+print(json.dumps({
+    "argv": sys.argv, "cwd": os.getcwd(), "path": sys.path, "name": __name__, "globals": sorted(globals()),
+    "env": os.environ.get("PROBE_VALUE"), "stdin": sys.stdin.read(), "ftkit": ftkit.__file__,
+    "lib": probe_lib.__file__, "pid": os.getpid(), "sid": os.getsid(0),
+    "streams": [(s.write_through, s.line_buffering) for s in (sys.stdout, sys.stderr)],
+}))
+print("to stderr", file=sys.stderr)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+@pytest.mark.parametrize("how", ["-c", "-u -c", "-"])
+def test_a_client_run_is_what_a_fresh_interpreter_gives(fork_socket, tmp_path, how):
+    """-c, -u, - (the script on stdin): argv, working directory, sys.path (PYTHONPATH's folders, the installed
+    ftkit), __main__'s names, environment, stdin, buffering, stderr and exit code, in a session of its own."""
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "probe_lib.py").write_text("")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # buffered unless -u says otherwise
+    env |= {"PROBE_VALUE": "the client's", "PYTHONPATH": f"{tmp_path / 'lib'}{os.pathsep}{ROOT}"}
+    if how == "-":
+        args, stdin = ["-", "3", "x y"], CLIENT_PROBE
+    else:
+        args, stdin = [*how.split(), CLIENT_PROBE, "3", "x y"], "from stdin"
+    forked, fresh = both(fork_socket, args, input=stdin.encode(), cwd=tmp_path, env=env)
+    assert forked.returncode == fresh.returncode == 3, forked.stderr
+    assert forked.stderr == fresh.stderr == "to stderr\n"
+    seen, expected = json.loads(forked.stdout), json.loads(fresh.stdout)
+    assert seen["pid"] == seen["sid"] != expected["sid"]  # a session of its own: the client stops all of it
+    for key in ("pid", "sid"):
+        del seen[key], expected[key]
+    assert seen == expected
+    assert seen["path"][:3] == ["", str(tmp_path / "lib"), str(ROOT)]
+    assert seen["ftkit"] == str(ROOT / "ftkit" / "__init__.py")
+    assert seen["streams"] == ([[True, False]] * 2 if how == "-u -c" else [[False, False], [False, True]])
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import sys; sys.exit('stopped: why')",
+        "raise ValueError('no good')",
+        "raise KeyboardInterrupt",
+        "import os, signal; os.kill(os.getpid(), signal.SIGKILL)",
+        "import sys; sys.exit(7)",
+    ],
+)
+def test_a_client_exits_as_python_does(fork_socket, code):
+    forked, fresh = both(fork_socket, ["-c", code])
+    assert forked.returncode == fresh.returncode, (forked.stderr, fresh.stderr)
+    assert forked.stderr.splitlines()[-1:] == fresh.stderr.splitlines()[-1:]  # the message, the exception's line
+
+
+REDIRECTIONS = """
+PY=($PYTHON)
+"${PY[@]}" -c 'import sys; print("out 1", flush=True); print("err 1", file=sys.stderr); print("out 2")' >both.txt 2>&1
+"${PY[@]}" - here doc <<'EOF' 2>err.txt | tr a-z A-Z
+import sys
+print(sys.argv[1:], sys.stdin.read())
+print("to err", file=sys.stderr)
+EOF
+echo "captured: $("${PY[@]}" -c 'import sys; print(sys.stdin.read().strip())' <both.txt | tr '\\n' ' ')"
+echo "exit $("${PY[@]}" -c 'import sys; sys.exit(4)'; echo $?)"
+"""
+
+
+def test_a_client_run_has_the_clients_stdin_stdout_and_stderr(fork_socket, tmp_path):
+    """What a script's redirections give `python`, here-documents and pipes included, the client's child gets: its
+    fds 0, 1 and 2 are the client's own."""
+    outputs = {}
+    for name, python in (("fresh", sys.executable), ("forked", f"{sys.executable} {ROOT / 'tests' / 'forkclient.py'}")):
+        (tmp_path / name).mkdir()
+        env = {**os.environ, "PYTHON": python, "FORKSERVER_SOCKET": str(fork_socket)}
+        proc = subprocess.run(
+            ["bash", "-c", REDIRECTIONS], cwd=tmp_path / name, env=env, capture_output=True, text=True, timeout=60
+        )
+        files = {f.name: f.read_text() for f in (tmp_path / name).iterdir()}
+        outputs[name] = (proc.returncode, proc.stdout, proc.stderr, files)
+    assert outputs["forked"] == outputs["fresh"]
+    rc, stdout, stderr, files = outputs["forked"]
+    assert stdout == "['HERE', 'DOC'] \ncaptured: out 1 err 1 out 2 \nexit 4\n" and rc == 0 and stderr == ""
+    assert files == {"both.txt": "out 1\nerr 1\nout 2\n", "err.txt": "to err\n"}
+
+
+STARTS_AND_SLEEPS = """
+import os, signal, sys, time
+started = os.fork()  # in the run's process group, as a subprocess it started would be
+if started == 0:
+    time.sleep(60)
+    os._exit(0)
+def stop(*_):
+    print("stopping", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print(os.getpid(), started, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killing_the_client_kills_its_run_and_what_it_started(fork_socket, sig):
+    """SIGTERM (timeout's) is passed on to the run's process group, whose run may handle it as it would in the
+    client's group; after SIGKILL, the server kills that group."""
+    proc = client(fork_socket, "-c", STARTS_AND_SLEEPS, stdout=subprocess.PIPE, text=True)
+    pids = [int(pid) for pid in proc.stdout.readline().split()]
+    assert len(pids) == 2 and all(_alive(pid) for pid in pids)
+    proc.send_signal(sig)
+    assert proc.wait(10) == (0 if sig == signal.SIGTERM else -sig)  # the run's own exit, or the client's
+    deadline = time.monotonic() + 10
+    while left := [pid for pid in pids if _alive(pid)]:
+        assert time.monotonic() < deadline, f"still running after the client's {sig.name}: {left}"
+        time.sleep(0.05)
+    assert proc.stdout.read() == ("stopping\n" if sig == signal.SIGTERM else "")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_clients_are_served_at_once(fork_socket):
+    """A run that waits does not hold up another client's; each gets its own streams and exit code."""
+    code = "import sys; print('waiting', flush=True); print(sys.stdin.read().upper()); sys.exit(3)"
+    waiting = client(fork_socket, "-c", code, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert waiting.stdout.readline() == "waiting\n"  # its run has started, and waits for its stdin
+    other = client(fork_socket, "-c", "import sys; print('other'); sys.exit(5)", stdout=subprocess.PIPE, text=True)
+    assert other.communicate(timeout=30) == ("other\n", None) and other.returncode == 5
+    assert waiting.communicate("its own input", timeout=30) == ("ITS OWN INPUT\n", None) and waiting.returncode == 3
+
+
+def test_a_client_torchrun_forks_its_workers(fork_socket, tmp_path):
+    """`-m torch.distributed.run` through the client: the worker is forked from the agent (the stack already
+    imported), and the launch fails as the worker does."""
+    script = tmp_path / "worker.py"
+    script.write_text("import os, sys\nprint(os.environ['RANK'], 'transformers' in sys.modules)\nsys.exit(6)\n")
+    args = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1", str(script)]
+    proc = client(fork_socket, *args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = proc.communicate(timeout=120)
+    assert out == "0 True\n" and proc.returncode == 1 and "exitcode  : 6" in err, err
