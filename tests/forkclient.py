@@ -5,7 +5,8 @@ stdin, stdout and stderr, and exits as that child does: its exit code, or the si
 agent (`-m torch.distributed.run`) forks its workers too. A signal that stops a process (timeout's SIGTERM,
 SIGINT, ...) is passed on to the child's process group, as it would reach a child in this process's group; if
 this process is killed outright (SIGKILL), the server kills that group. A signal that comes before the child has
-started kills this process, and with it the child. Standard library only: it starts in a few tens of ms."""
+started kills this process, and with it the child. The child runs on this process's cores (its CPU affinity).
+Standard library only: it starts in a few tens of ms."""
 
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ def main(argv: list[str]) -> int:
         "env": dict(os.environ),
         "fork_workers": args[:2] == ["-m", "torch.distributed.run"],
         "ignored": [sig for sig in STOPPING if signal.getsignal(sig) == signal.SIG_IGN],  # a child keeps ignoring them
+        "affinity": sorted(os.sched_getaffinity(0)),  # and runs on the same cores (taskset, a Slurm step's binding)
     }
     data = (json.dumps(request) + "\n").encode()
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:

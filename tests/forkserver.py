@@ -28,15 +28,16 @@ Protocol, one JSON object per line: request {"argv", "cwd", "env", "stdout", "st
 
 `--socket PATH`: the same server for processes other than the one that started it, on a Unix socket at PATH
 (conftest's `fork_socket`); tests/forkclient.py, given as `python`, is its client. Each connection is one run: the
-request {"argv", "cwd", "env", "fork_workers", "ignored"} ("ignored": the stopping signals the client ignores,
-which a child of its would inherit) with the client's fds 0, 1 and 2 passed along (SCM_RIGHTS), so that the child
-reads and writes the client's own stdin, stdout and stderr (redirections, pipes, here-documents); the same two
-replies. Connections are served at once, each by a handler forked for it, which forks the run and waits for it;
-if the client goes away first (killed outright: a signal it can catch, it passes on itself), the handler kills
-the run's process group. The environment caveat holds for the client's environment: a variable read when the
-stack is imported (OMP_NUM_THREADS, HF_HUB_OFFLINE, a PYTHONPATH naming another transformers) keeps the value the
-server started with; PYTHONPATH's folders do go on sys.path, for the modules not imported yet (ftkit). Closing
-the server's stdin stops it, as it stops the pipe server."""
+request {"argv", "cwd", "env", "fork_workers", "ignored", "affinity"} ("ignored": the stopping signals the client
+ignores, which a child of its would inherit; "affinity": the cores it may run on, which a child inherits too) with
+the client's fds 0, 1 and 2 passed along (SCM_RIGHTS), so that the child reads and writes the client's own stdin,
+stdout and stderr (redirections, pipes, here-documents); the same two replies. Connections are served at once, each
+by a handler forked for it, which forks the run and waits for it; if the client goes away first (killed outright: a
+signal it can catch, it passes on itself), the handler kills the run's process group. The environment caveat holds
+for the client's environment: a variable read when the stack is imported (OMP_NUM_THREADS, HF_HUB_OFFLINE, a
+PYTHONPATH naming another transformers) keeps the value the server started with; PYTHONPATH's folders do go on
+sys.path, for the modules not imported yet (ftkit). Closing the server's stdin stops it, as it stops the pipe
+server."""
 
 from __future__ import annotations
 
@@ -94,6 +95,8 @@ def child(request: dict, streams: list[int] | None = None) -> NoReturn:
         for fd in set(streams[1:]):
             os.close(fd)
         fresh_signals(request.get("ignored", ()))
+        if request.get("affinity"):  # the client's cores (taskset, a Slurm step's binding), which a child inherits
+            os.sched_setaffinity(0, request["affinity"])
         if request.get("fork_workers"):
             fork_torchrun_workers()
     except BaseException:

@@ -131,8 +131,14 @@ def torchrun(
 SRUN = """#!/usr/bin/env bash
 # srun, standing in for Slurm: the job step's command once per node of the job, here as processes of this machine,
 # each "node" bound to its own share of the cores as Slurm binds a job step to its node's (with more nodes than
-# cores, nodes share one).
+# cores, nodes share one). With FORKCLIENT set, the step's `uv run --no-sync torchrun ARGS` runs as
+# `$FORKCLIENT -m torch.distributed.run ARGS`: the same torchrun on the same arguments, its agent and workers forked
+# from the suite's fork server (tests/forkclient.py) instead of importing torch afresh in each.
 while [[ $1 == -* ]]; do shift; done
+if [[ -n $FORKCLIENT && "$1 $2 $3 $4" == "uv run --no-sync torchrun" ]]; then
+    shift 4
+    set -- $FORKCLIENT -m torch.distributed.run "$@"
+fi
 cores=$(nproc)
 for node in $(seq 0 $((SLURM_JOB_NUM_NODES - 1))); do
     per=$(( cores > SLURM_JOB_NUM_NODES ? cores / SLURM_JOB_NUM_NODES : 1 ))
@@ -145,10 +151,13 @@ exit $status
 """
 
 
-def slurm(bin_dir: Path, script: str, *flags: str, nodes: int = 2, per_node: int = 1) -> subprocess.CompletedProcess:
+def slurm(
+    bin_dir: Path, script: str, *flags: str, nodes: int = 2, per_node: int = 1, fork_socket: Path | None = None
+) -> subprocess.CompletedProcess:
     """assets/slurm/train.sbatch run as a `nodes`-node job: srun and scontrol stand-ins (in `bin_dir`) run its
     torchrun command once per "node" on this machine, the agents meeting at the c10d rendezvous on the first node
-    (loopback), as separate machines would."""
+    (loopback), as separate machines would. With `fork_socket` (conftest's), each node's torchrun is forked from
+    that fork server (SRUN)."""
     import shutil
     import socket
 
@@ -171,6 +180,9 @@ def slurm(bin_dir: Path, script: str, *flags: str, nodes: int = 2, per_node: int
         "GPUS_PER_NODE": str(per_node),
         "TOKENIZERS_PARALLELISM": "false",
     }
+    if fork_socket is not None:
+        client = f"{sys.executable} {ROOT / 'tests' / 'forkclient.py'}"
+        env |= {"FORKSERVER_SOCKET": str(fork_socket), "FORKCLIENT": client}
     command = ["bash", "assets/slurm/train.sbatch", script, *flags]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 

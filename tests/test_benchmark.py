@@ -9,7 +9,6 @@ import runpy
 import statistics
 import sys
 
-import pytest
 from conftest import ROOT, run_script
 
 
@@ -26,7 +25,6 @@ def load(run_dir):
     return summary, rows
 
 
-@pytest.mark.slow
 def test_benchmark_markdown_is_its_run_files(tmp_path, monkeypatch):
     runs, out, fig = tmp_path / "runs", tmp_path / "benchmark.md", tmp_path / "benchmark.png"
     flags = ["--nproc", "2", "--smoke", "--experiments", "pp-ft", "--repeats", "1", "--max-steps", "3"]

@@ -107,7 +107,6 @@ print("to stderr", file=sys.stderr)
 """
 
 
-@pytest.mark.slow
 def test_forked_torchrun_workers_are_what_torchrun_starts(tmp_path, monkeypatch):
     """parity.torchrun's agent forks its workers (forkserver.fork_torchrun_workers); each must see what the
     `python -u script args` torchrun would start sees. (Every rank exits 0: a rank that failed first would have

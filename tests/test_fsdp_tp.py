@@ -23,15 +23,18 @@ def reference(tmp_path_factory, data_dir):
     return parity.reference(tmp_path_factory.mktemp("ref"), *ref_flags, quant="none")
 
 
-@pytest.fixture(scope="module", params=[pytest.param("2 nodes x 2", marks=pytest.mark.slow), "1,2", "2,1"])
-def mesh(request, tmp_path_factory, data_dir):
+@pytest.fixture(scope="module", params=["2 nodes x 2", "1,2", "2,1"])
+def mesh(request, tmp_path_factory, data_dir, fork_socket):
     """Mesh 2x2 is launched as a 2-node job through assets/slurm/train.sbatch (srun and scontrol stand-ins run its
     torchrun command once per "node": 2 agents of 2 processes meeting at the c10d rendezvous on loopback, as two
-    machines would) with no --mesh-shape: the default, TP = ranks per node and DP = nodes, must make it 2x2."""
+    machines would) with no --mesh-shape: the default, TP = ranks per node and DP = nodes, must make it 2x2. Each
+    node's torchrun is forked from the suite's fork server (parity.SRUN), on that node's cores."""
     out = tmp_path_factory.mktemp("fsdp-tp") / request.param.replace(" ", "")
     if request.param == "2 nodes x 2":
         bin_dir = tmp_path_factory.mktemp("slurm-bin")
-        proc = parity.slurm(bin_dir, TRAIN, *flags(data_dir), "--output-dir", str(out), nodes=2, per_node=2)
+        proc = parity.slurm(
+            bin_dir, TRAIN, *flags(data_dir), "--output-dir", str(out), nodes=2, per_node=2, fork_socket=fork_socket
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         hardware = json.loads((out / "config.json").read_text())["hardware"]
         # Each "node" is bound to one of this machine's 2 cores (as Slurm binds a job step to its node's) and its
