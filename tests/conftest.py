@@ -83,12 +83,12 @@ class Forked:
 
 class ForkServer:
     """The client of tests/forkserver.py: started on the first run, stopped with the test session. One run at a
-    time, as the tests run. With `socket`, a server for other processes instead (forkserver.py --socket): their
-    runs go through tests/forkclient.py, not `start`."""
+    time, as the tests run; other processes' runs go through a socket server forked from it (`listen`) and
+    tests/forkclient.py."""
 
-    def __init__(self, socket: Path | None = None) -> None:
+    def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(ROOT / "tests" / "forkserver.py"), *(["--socket", str(socket)] if socket else [])],
+            [sys.executable, str(ROOT / "tests" / "forkserver.py")],
             cwd=ROOT,
             # numpy's OpenBLAS starts a worker thread when imported; one BLAS thread keeps the server single-threaded
             env={**os.environ, "OPENBLAS_NUM_THREADS": "1"},
@@ -122,6 +122,12 @@ class ForkServer:
         self.proc.stdin.flush()
         return Forked(self, self.reply(timeout=60)["pid"])
 
+    def listen(self, socket: Path) -> int:
+        """A socket server at `socket` (forkserver.listen), forked from this one: no second import. Its pid."""
+        self.proc.stdin.write(json.dumps({"listen": str(socket)}) + "\n")
+        self.proc.stdin.flush()
+        return self.reply(timeout=60)["pid"]
+
     def stop(self) -> None:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
@@ -141,11 +147,11 @@ def fork_server() -> ForkServer:
 @pytest.fixture(scope="session")
 def fork_socket(tmp_path_factory) -> Path:
     """The socket of a fork server that processes the tests start reach (FORKSERVER_SOCKET, with
-    `python tests/forkclient.py` as their python): one for the session, as its start imports the stack."""
+    `python tests/forkclient.py` as their python): one for the session, forked from the pipe server (`fork_server`),
+    with the stack imported already; it ends with the pipe server."""
     path = tmp_path_factory.mktemp("forkserver") / "socket"
-    server = ForkServer(socket=path)
-    yield path
-    server.stop()
+    fork_server().listen(path)
+    return path
 
 
 def run_script(

@@ -1,5 +1,5 @@
 """`python`, for a process the test session starts (a shell script's `"${PY[@]}" args`): `python tests/forkclient.py
-ARGS...` has the fork server listening on $FORKSERVER_SOCKET (tests/forkserver.py --socket) fork `python ARGS...`
+ARGS...` has the fork server listening on $FORKSERVER_SOCKET (tests/forkserver.py, `listen`) fork `python ARGS...`
 (a script, -m module, -c code or -, after an optional -u) with this process's working directory, environment,
 stdin, stdout and stderr, and exits as that child does: its exit code, or the signal that ended it. A torchrun
 agent (`-m torch.distributed.run`) forks its workers too. A signal that stops a process (timeout's SIGTERM,
@@ -22,7 +22,7 @@ STOPPING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal
 def main(argv: list[str]) -> int:
     path = os.environ.get("FORKSERVER_SOCKET")
     if not path:
-        print("forkclient: FORKSERVER_SOCKET names no fork server (tests/forkserver.py --socket PATH)", file=sys.stderr)
+        print("forkclient: FORKSERVER_SOCKET names no fork server (conftest.fork_socket)", file=sys.stderr)
         return 2
     args = argv[1:] if argv[:1] == ["-u"] else argv
     request = {

@@ -26,18 +26,18 @@ applies with torch.set_num_threads. A run that must have its own imports uses a 
 Protocol, one JSON object per line: request {"argv", "cwd", "env", "stdout", "stderr", "fork_workers"}; replies
 {"pid": ...} when the child has started, then {"returncode": ...} when it has ended.
 
-`--socket PATH`: the same server for processes other than the one that started it, on a Unix socket at PATH
-(conftest's `fork_socket`); tests/forkclient.py, given as `python`, is its client. Each connection is one run: the
-request {"argv", "cwd", "env", "fork_workers", "ignored", "affinity"} ("ignored": the stopping signals the client
-ignores, which a child of its would inherit; "affinity": the cores it may run on, which a child inherits too) with
-the client's fds 0, 1 and 2 passed along (SCM_RIGHTS), so that the child reads and writes the client's own stdin,
+`{"listen": PATH}`: the same server for processes other than the one that started it, on a Unix socket at PATH,
+forked from this one (conftest's `fork_socket`, `listen`), which replies with its pid and goes on; it ends when
+this server does. tests/forkclient.py, given as `python`, is its client. Each connection is one run: the request
+{"argv", "cwd", "env", "fork_workers", "ignored", "affinity"} ("ignored": the stopping signals the client ignores,
+which a child of its would inherit; "affinity": the cores it may run on, which a child inherits too) with the
+client's fds 0, 1 and 2 passed along (SCM_RIGHTS), so that the child reads and writes the client's own stdin,
 stdout and stderr (redirections, pipes, here-documents); the same two replies. Connections are served at once, each
-by a handler forked for it, which forks the run and waits for it; if the client goes away first (killed outright: a
-signal it can catch, it passes on itself), the handler kills the run's process group. The environment caveat holds
-for the client's environment: a variable read when the stack is imported (OMP_NUM_THREADS, HF_HUB_OFFLINE, a
+by a handler forked for it, which forks the run and waits for it; if the client goes away first (killed outright:
+a signal it can catch, it passes on itself), the handler kills the run's process group. The environment caveat
+holds for the client's environment: a variable read when the stack is imported (OMP_NUM_THREADS, HF_HUB_OFFLINE, a
 PYTHONPATH naming another transformers) keeps the value the server started with; PYTHONPATH's folders do go on
-sys.path, for the modules not imported yet (ftkit). Closing the server's stdin stops it, as it stops the pipe
-server."""
+sys.path, for the modules not imported yet (ftkit)."""
 
 from __future__ import annotations
 
@@ -264,13 +264,9 @@ def fork_torchrun_workers() -> None:
     subprocess_handler.SubprocessHandler._popen = popen
 
 
-def serve(socket_path: str | None = None) -> None:
+def serve() -> None:
     import importlib
 
-    if socket_path is not None:  # bound before the imports: a client that comes early waits for them
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(socket_path)
-        listener.listen()
     for name in PRELOAD:
         importlib.import_module(name)
     # fork() copies one thread: a server that had started others (a thread pool) would hand its children locks
@@ -279,11 +275,11 @@ def serve(socket_path: str | None = None) -> None:
     replies = sys.stdout
     sys.stdout = sys.stderr  # nothing else may write to the reply channel
     print(json.dumps({"ready": threads == 1, "threads": threads}), file=replies, flush=True)
-    if socket_path is not None:
-        serve_socket(listener)
-        return
     for line in sys.stdin:
         request = json.loads(line)
+        if "listen" in request:  # {"listen": PATH}: the socket server, forked from this one (no second import)
+            print(json.dumps({"pid": listen(request["listen"])}), file=replies, flush=True)
+            continue
         pid = os.fork()
         if pid == 0:
             child(request)
@@ -292,12 +288,30 @@ def serve(socket_path: str | None = None) -> None:
         print(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}), file=replies, flush=True)
 
 
-def serve_socket(listener: socket.socket) -> None:
-    """Fork a handler per connection (the server keeps its one thread) until stdin closes, reaping the handlers
+def listen(path: str) -> int:
+    """Fork a socket server at `path` from this pipe server and return its pid. It stops when this server ends: the
+    write end of its stop pipe, kept here (and in this server's runs, forked with it open), closes."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)  # before the reply: a client may connect as soon as the pid is known
+    listener.listen()
+    stop, keep = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(keep)
+        os.close(0)  # the pipe server's requests are not its
+        serve_socket(listener, stop)
+        os._exit(0)
+    os.close(stop)
+    listener.close()
+    return pid
+
+
+def serve_socket(listener: socket.socket, stop: int) -> None:
+    """Fork a handler per connection (the server keeps its one thread) until `stop` closes, reaping the handlers
     that have ended."""
     while True:
-        readable = select.select([listener, sys.stdin], [], [])[0]
-        if sys.stdin in readable and not os.read(0, 1 << 16):
+        readable = select.select([listener, stop], [], [])[0]
+        if stop in readable and not os.read(stop, 1 << 16):
             break
         if listener in readable:
             conn, _ = listener.accept()
@@ -368,5 +382,5 @@ def kill_run(pid: int, sig: int) -> None:
 
 
 if __name__ == "__main__":
-    serve(sys.argv[2] if sys.argv[1:2] == ["--socket"] else None)
+    serve()
     os._exit(0)  # not the interpreter's teardown of the stack (~2 s, waited for by the tests): nothing is left to flush

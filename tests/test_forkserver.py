@@ -136,7 +136,7 @@ def test_forked_torchrun_workers_are_what_torchrun_starts(tmp_path, monkeypatch)
         assert forked.ranks[rank]["stderr"] == fresh.ranks[rank]["stderr"] == "to stderr\n"
 
 
-# tests/forkclient.py: the fork server (--socket) reached from processes other than the test session's
+# tests/forkclient.py: the fork server's socket (`listen`) reached from processes other than the test session's
 
 
 def client(fork_socket, *args: str, **kwargs) -> subprocess.Popen:
