@@ -131,14 +131,8 @@ def torchrun(
 SRUN = """#!/usr/bin/env bash
 # srun, standing in for Slurm: the job step's command once per node of the job, here as processes of this machine,
 # each "node" bound to its own share of the cores as Slurm binds a job step to its node's (with more nodes than
-# cores, nodes share one). With FORKCLIENT set, the step's `uv run --no-sync torchrun ARGS` runs as
-# `$FORKCLIENT -m torch.distributed.run ARGS`: the same torchrun on the same arguments, its agent and workers forked
-# from the suite's fork server (tests/forkclient.py) instead of importing torch afresh in each.
+# cores, nodes share one).
 while [[ $1 == -* ]]; do shift; done
-if [[ -n $FORKCLIENT && "$1 $2 $3 $4" == "uv run --no-sync torchrun" ]]; then
-    shift 4
-    set -- $FORKCLIENT -m torch.distributed.run "$@"
-fi
 cores=$(nproc)
 for node in $(seq 0 $((SLURM_JOB_NUM_NODES - 1))); do
     per=$(( cores > SLURM_JOB_NUM_NODES ? cores / SLURM_JOB_NUM_NODES : 1 ))
@@ -151,13 +145,44 @@ exit $status
 """
 
 
+UV = """#!/usr/bin/env bash
+# uv, standing in: `uv run [--no-sync] python ARGS` and `uv run [--no-sync] torchrun ARGS` run the same script, or
+# torch.distributed.run, on the same arguments through the suite's fork client (tests/forkclient.py: forked from
+# the fork server instead of importing torch afresh, on this process's cores); anything else goes to the real uv.
+if [[ $1 == run ]]; then
+    args=("${@:2}")
+    [[ ${args[0]} == --no-sync ]] && args=("${args[@]:1}")
+    [[ ${args[0]} == python ]] && exec $FORKCLIENT "${args[@]:1}"
+    [[ ${args[0]} == torchrun ]] && exec $FORKCLIENT -m torch.distributed.run "${args[@]:1}"
+fi
+exec "$REAL_UV" "$@"
+"""
+
+
+def forked_uv(bin_dir: Path, fork_socket: Path) -> dict[str, str]:
+    """A `uv` stand-in (UV) in `bin_dir`, and the environment that puts it first on PATH and reaches the fork
+    server at `fork_socket` (conftest's): `uv run python` / `uv run torchrun` launches, forked."""
+    import shutil
+
+    real = shutil.which("uv")
+    assert real, "the launches are `uv run` commands: install uv (pip install uv)"
+    (bin_dir / "uv").write_text(UV)
+    (bin_dir / "uv").chmod(0o755)
+    return {
+        "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+        "REAL_UV": real,
+        "FORKSERVER_SOCKET": str(fork_socket),
+        "FORKCLIENT": f"{sys.executable} {ROOT / 'tests' / 'forkclient.py'}",
+    }
+
+
 def slurm(
     bin_dir: Path, script: str, *flags: str, nodes: int = 2, per_node: int = 1, fork_socket: Path | None = None
 ) -> subprocess.CompletedProcess:
     """assets/slurm/train.sbatch run as a `nodes`-node job: srun and scontrol stand-ins (in `bin_dir`) run its
     torchrun command once per "node" on this machine, the agents meeting at the c10d rendezvous on the first node
-    (loopback), as separate machines would. With `fork_socket` (conftest's), each node's torchrun is forked from
-    that fork server (SRUN)."""
+    (loopback), as separate machines would. With `fork_socket` (conftest's), each node's `uv run torchrun` is
+    forked from that fork server (`forked_uv`), on its node's cores."""
     import shutil
     import socket
 
@@ -181,8 +206,7 @@ def slurm(
         "TOKENIZERS_PARALLELISM": "false",
     }
     if fork_socket is not None:
-        client = f"{sys.executable} {ROOT / 'tests' / 'forkclient.py'}"
-        env |= {"FORKSERVER_SOCKET": str(fork_socket), "FORKCLIENT": client}
+        env |= forked_uv(bin_dir, fork_socket)
     command = ["bash", "assets/slurm/train.sbatch", script, *flags]
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 

@@ -1,28 +1,19 @@
 """assets/benchmark.py at its smallest: pp-ft at 2 ranks and its single-process baseline, 3 steps, one repeat.
 Every number of the markdown is checked against the run files its rows name, recomputed here from them. The runs it
-launches with `uv run python` and `uv run torchrun` are forked from the suite's fork server (a `uv` stand-in, UV),
+launches with `uv run python` and `uv run torchrun` are forked from the suite's fork server (parity.forked_uv),
 not started as fresh interpreters: what is tested is the benchmark's bookkeeping, not how long torch takes to
 import."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import runpy
-import shutil
 import statistics
 import sys
 
+import parity
 from conftest import ROOT, run_script
-
-UV = """#!/usr/bin/env bash
-# uv, standing in: `uv run python ARGS` and `uv run torchrun ARGS` run the same script, or torch.distributed.run, on
-# the same arguments through the suite's fork client (tests/forkclient.py); anything else goes to the real uv.
-if [[ $1 == run && $2 == python ]]; then exec $FORKCLIENT "${@:3}"; fi
-if [[ $1 == run && $2 == torchrun ]]; then exec $FORKCLIENT -m torch.distributed.run "${@:3}"; fi
-exec "$REAL_UV" "$@"
-"""
 
 
 def table(text: str, heading: str) -> list[dict[str, str]]:
@@ -41,12 +32,8 @@ def load(run_dir):
 def test_benchmark_markdown_is_its_run_files(tmp_path, monkeypatch, fork_socket):
     runs, out, fig = tmp_path / "runs", tmp_path / "benchmark.md", tmp_path / "benchmark.png"
     (tmp_path / "bin").mkdir()
-    (tmp_path / "bin" / "uv").write_text(UV)
-    (tmp_path / "bin" / "uv").chmod(0o755)
-    monkeypatch.setenv("REAL_UV", shutil.which("uv"))
-    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
-    monkeypatch.setenv("FORKSERVER_SOCKET", str(fork_socket))
-    monkeypatch.setenv("FORKCLIENT", f"{sys.executable} {ROOT / 'tests' / 'forkclient.py'}")
+    for name, value in parity.forked_uv(tmp_path / "bin", fork_socket).items():
+        monkeypatch.setenv(name, value)
     flags = ["--nproc", "2", "--smoke", "--experiments", "pp-ft", "--repeats", "1", "--max-steps", "3"]
     flags += ["--max-length", "128", "--batch-size", "4", "--runs-dir", str(runs), "--out", str(out)]
     flags += ["--hf-collators", "none"]  # the Hugging Face baseline's rows: tests/test_hf_baseline.py

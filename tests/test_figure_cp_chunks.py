@@ -16,6 +16,8 @@ from torch.nn.attention.bias import causal_lower_right
 from ftkit import hardware
 from ftkit.memory import GIB, QWEN3_4B, predict
 from ftkit.plan import settings, techniques
+from ftkit.plan.__main__ import parser, setting_from
+from ftkit.plan.recommendation import plan
 from ftkit.realscale.flops import causal_pairs
 
 POST = ROOT / "blogs" / "cp.md"
@@ -221,9 +223,6 @@ def test_the_posts_numbers_are_their_sources(fig, post):
     says(f"`cp-ft`: {cp_full['tokens_per_s']:,.0f} tokens/s, {ahead:.1%} ahead of `tp-sp-ft`")
     # four cards: cp 4, or two data-parallel groups of cp 2
     says(f"runs cp 4 ({fig['predicted']('cp', 4, 'none', 32768) / GIB:.2f} GiB predicted)")
-    from ftkit.plan.__main__ import parser, setting_from
-    from ftkit.plan.recommendation import plan
-
     p = parser()
     argv = ["--gpus", "4", "--gpu", "rtx4090", "--link", "pcie4", "--max-length", "32768", "--micro-batch-size", "1"]
     rows = {str(r["mesh"]): r for r in plan(setting_from(p, p.parse_args([*argv, "--batch-size", "8"])))["techniques"]}

@@ -28,7 +28,7 @@ def mesh(request, tmp_path_factory, data_dir, fork_socket):
     """Mesh 2x2 is launched as a 2-node job through assets/slurm/train.sbatch (srun and scontrol stand-ins run its
     torchrun command once per "node": 2 agents of 2 processes meeting at the c10d rendezvous on loopback, as two
     machines would) with no --mesh-shape: the default, TP = ranks per node and DP = nodes, must make it 2x2. Each
-    node's torchrun is forked from the suite's fork server (parity.SRUN), on that node's cores."""
+    node's torchrun is forked from the suite's fork server (parity.forked_uv), on that node's cores."""
     out = tmp_path_factory.mktemp("fsdp-tp") / request.param.replace(" ", "")
     if request.param == "2 nodes x 2":
         bin_dir = tmp_path_factory.mktemp("slurm-bin")
