@@ -177,12 +177,16 @@ def packed_width(fills: Sequence[int], pack_to: int) -> int:
 
 def collate_packed(rows: Sequence[Sequence[Encoded]], width: int, pad_id: int = 0) -> dict:
     """Packed rows of `width` positions, several examples per row, as `collate` lays out one per row, with
-    `position_ids` restarting at 0 at each example (and at the padding that ends a row) and no attention mask:
-    given `position_ids` and no mask and no KV cache, transformers builds a block-diagonal causal mask from the
-    position restarts (`masking_utils.find_packed_sequence_indices`), so no example attends to another, and RoPE
-    sees each example at the positions it has alone. The loss positions are each example's own (`collate`'s), so
-    no example's first token is trained to follow the previous one. An empty row (a rank's last micro-step topped
-    up) is all padding and has no target.
+    `position_ids` restarting at 0 at each example (RoPE sees each example at the positions it has alone) and the
+    example boundaries worked out here, on the host, for the attention kernels (`attention.model_inputs`):
+
+    - `cu_seq_lens` (int32): the cumulative lengths of the segments of the rows flattened into one sequence, each
+      example and each padding run its own segment (FlashAttention-2's varlen layout);
+    - `packed`: whether some row holds two examples or more (else every row is plain causal: one example, then a
+      padding tail whose positions continue the example's, so no kernel needs a mask for it).
+
+    The loss positions are each example's own (`collate`'s), so no example's first token is trained to follow the
+    previous one. An empty row (a rank's last micro-step topped up) is all padding and has no target.
 
     `lengths` are the examples' real tokens (not the rows'): attention's cost is per example."""
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
@@ -190,6 +194,7 @@ def collate_packed(rows: Sequence[Sequence[Encoded]], width: int, pad_id: int = 
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     positions: list[list[int]] = []
     targets_of: list[list[int]] = []
+    cu_seq_lens = [0]
     for r, row in enumerate(rows):
         start, pos, tgt = 0, [], []
         for e in row:
@@ -200,7 +205,11 @@ def collate_packed(rows: Sequence[Sequence[Encoded]], width: int, pad_id: int = 
             pos += [start + p for p in range(n - 1) if e.labels[p + 1] != IGNORE_INDEX]
             tgt += [e.labels[p + 1] for p in range(n - 1) if e.labels[p + 1] != IGNORE_INDEX]
             start += n
-        position_ids[r, start:] = torch.arange(width - start)
+            cu_seq_lens.append(r * width + start)
+        last = len(row[-1].input_ids) if row else 0
+        position_ids[r, start:] = torch.arange(last, last + width - start)  # the padding tail continues the last one
+        if start < width:
+            cu_seq_lens.append((r + 1) * width)
         positions.append(pos)
         targets_of.append(tgt)
     k = max(1, max(len(p) for p in positions))
@@ -216,6 +225,8 @@ def collate_packed(rows: Sequence[Sequence[Encoded]], width: int, pad_id: int = 
         "logit_positions": logit_positions,
         "targets": targets,
         "lengths": [len(e.input_ids) for row in rows for e in row],
+        "cu_seq_lens": torch.tensor(cu_seq_lens, dtype=torch.int32),
+        "packed": any(len(row) > 1 for row in rows),
     }
 
 
@@ -265,7 +276,15 @@ def pad_to_multiple(mb: dict, multiple: int) -> dict:
         return mb
     # The [rows, seq] tensors; the rest as is. Padding positions 0: each pad a block of its own in a packed row.
     fill = {"input_ids": 0, "attention_mask": 0, "labels": IGNORE_INDEX, "position_ids": 0}
-    return {k: torch.nn.functional.pad(v, (0, extra), value=fill[k]) if k in fill else v for k, v in mb.items()}
+    padded = {k: torch.nn.functional.pad(v, (0, extra), value=fill[k]) if k in fill else v for k, v in mb.items()}
+    if "cu_seq_lens" in mb:  # each row's segments at its new offset, then the new padding run: a segment of its own
+        rows, width = mb["input_ids"].shape
+        cu = [0]
+        for r in range(rows):
+            ends = [int(b) - r * width for b in mb["cu_seq_lens"][1:] if r * width < b <= (r + 1) * width]
+            cu += [r * (width + extra) + e for e in ends] + [(r + 1) * (width + extra)]
+        padded["cu_seq_lens"] = torch.tensor(cu, dtype=torch.int32)
+    return padded
 
 
 # Why pp-ft lays its batches out padded (`cli.padded_only` says it once, and its summary keeps it).

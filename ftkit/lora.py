@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from ftkit import models
+from ftkit import attention, models
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The same seven split for tensor parallelism (tp-ft, tp-sp-ft), as Megatron-LM splits them:
@@ -96,19 +96,13 @@ def compute_autocast(device: torch.device, dtype: torch.dtype):
 
 
 def answer_logits(model, mb: dict) -> torch.Tensor:
-    """The logits the loss needs: the forward of a micro-batch (`data.collate`'s or `data.collate_packed`'s) with
+    """The logits the loss needs: the forward of a micro-batch (`batching.collate`'s or `collate_packed`'s) with
     the lm_head run on the answer positions only (`logits_to_keep`), so the [micro, seq, vocab] logits of whole
     sequences are never made. Only the logits are kept of the model's output: once the loss is taken, backward
-    frees them. No attention mask: padded rows are right-padded and attention is causal, so no real token sees a
-    pad (a mask would force SDPA's masked kernel, repeat K and V to every head and cost host syncs); packed rows
-    carry `position_ids` that restart at each example, from which transformers builds the block-diagonal mask,
-    provided there is no KV cache (`use_cache=False`: with one, every example would attend to the ones before)."""
-    out = model(
-        input_ids=mb["input_ids"],
-        position_ids=mb.get("position_ids"),
-        logits_to_keep=mb["logit_positions"],
-        use_cache=False,
-    )
+    frees them. The attention layout is `attention.model_inputs`': packed rows' example boundaries handed to the
+    kernel (varlen lengths, or a block-diagonal mask), padded rows plain causal (right-padded: no real token sees a
+    pad), and no KV cache (`use_cache=False`)."""
+    out = model(**attention.model_inputs(mb, model.config), logits_to_keep=mb["logit_positions"], use_cache=False)
     return out.logits
 
 

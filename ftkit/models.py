@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from ftkit import attention
 from ftkit.errors import ModelError
 
 TINY = "tiny"
@@ -156,17 +157,21 @@ def load_tokenizer(model: str, train_texts: Iterable[str] | None = None):
 
 def attention_implementation(device: torch.device, dtype: torch.dtype) -> str:
     """The attention kernel, chosen from the training device and the compute dtype alone, so every rank chooses
-    the same one whatever device it builds the model on: flash-attention-2 where it is installed, the device is
-    CUDA and the dtype is bf16/fp16 (its kernels run nothing else); PyTorch SDPA otherwise, and says why."""
+    the same one whatever device it builds the model on: on CUDA in bf16/fp16, a varlen kernel for packed rows
+    (`attention.VARLEN`: flash-attn where it is installed, else torch's varlen_attn), SDPA for padded ones; PyTorch
+    SDPA otherwise (a block-diagonal mask for packed rows), and says why."""
     if device.type != "cuda":
         return "sdpa"
-    if not flash_attn_installed():
-        _say("flash-attn is not installed: using PyTorch SDPA attention (uv sync --extra flash-attn)")
-        return "sdpa"
     if dtype not in (torch.bfloat16, torch.float16):
-        _say(f"flash-attention runs bf16/fp16 only, and the compute dtype is {dtype}: using PyTorch SDPA attention")
+        _say(f"the varlen attention kernels run bf16/fp16 only, and the compute dtype is {dtype}: using PyTorch SDPA")
         return "sdpa"
-    return "flash_attention_2"
+    if not flash_attn_installed() and not attention.torch_has_varlen():
+        _say(
+            f"torch {torch.__version__} has no varlen_attn (torch >= 2.10) and flash-attn is not installed: packed "
+            "rows run SDPA with a block-diagonal mask (uv sync --extra flash-attn)"
+        )
+        return "sdpa"
+    return attention.VARLEN
 
 
 def flash_attn_installed() -> bool:

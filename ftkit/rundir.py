@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ftkit import checkpoint, hardware, metrics, ranks
+from ftkit import attention, checkpoint, hardware, metrics, ranks
 from ftkit.errors import RunComplete, RunError
 
 RUNS = Path("runs")
@@ -296,7 +296,9 @@ def start_log(
         ranks.print0(f"resumed from {resume_from} at step {start_step}")
     rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     machine = hardware.describe(device, world_size=world)
-    config = metrics.run_config(args, machine, train_stats.as_dict(), counts, accum, **technique)
+    kernels = attention.kernels(model_config._attn_implementation)  # what each layout's attention runs
+    ranks.print0(f"attention: packed rows: {kernels['packed']}; padded rows: {kernels['padded']}")
+    config = metrics.run_config(args, machine, train_stats.as_dict(), counts, accum, attention=kernels, **technique)
     ranks.on_rank0(init, run_dir, args, config, resume_step=start_step if resume_from is not None else None)
     if dist.is_initialized():
         check_shared_run_dir(run_dir)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from conftest import ROOT
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from ftkit import data, errors, models, prepare, ranks
+from ftkit import attention, data, errors, models, prepare, ranks
 
 SCRIPTS = ["ddp-ft", "fsdp-ft", "tp-ft", "tp-sp-ft", "pp-ft"]
 WORLD = 2
@@ -121,7 +121,7 @@ def test_every_rank_starts_both_backends_and_the_same_attention(script, tmp_path
     attn = [seen["load_model"][0]["attn"] for seen in ranks]
     devices = [seen["load_model"][0]["device"] for seen in ranks]
     print(f"{script}: attention {attn}, built on {devices}")
-    assert attn == ["flash_attention_2"] * WORLD
+    assert attn == [attention.VARLEN] * WORLD
     if script == "fsdp-ft":  # rank 0 holds the real weights in host memory, the others only shapes
         assert [d.type for d in devices] == ["cpu", "meta"]
 
@@ -131,16 +131,20 @@ def test_every_rank_starts_both_backends_and_the_same_attention(script, tmp_path
 def test_flash_attention_is_refused_for_fp32(script, tmp_path, monkeypatch, capsys):
     ranks = [run_rank(script, r, flags(tmp_path, "--dtype", "fp32"), monkeypatch) for r in range(WORLD)]
     assert [seen["load_model"][0]["attn"] for seen in ranks] == ["sdpa", "sdpa"]
-    assert "flash-attention runs bf16/fp16 only" in capsys.readouterr().out
+    assert "the varlen attention kernels run bf16/fp16 only" in capsys.readouterr().out
 
 
 @pytest.mark.usefixtures("flash_attn_installed")
 def test_attention_choice_depends_on_the_training_device_only(monkeypatch):
+    """A varlen kernel for packed rows on CUDA in bf16/fp16 - flash-attn's, else torch's own varlen_attn (torch >=
+    2.10) - and SDPA where neither runs (fp32, the CPU, a torch without varlen_attn and no flash-attn)."""
     cuda, cpu = torch.device("cuda", 1), torch.device("cpu")
-    assert models.attention_implementation(cuda, torch.bfloat16) == "flash_attention_2"
+    assert models.attention_implementation(cuda, torch.bfloat16) == attention.VARLEN
     assert models.attention_implementation(cuda, torch.float32) == "sdpa"
     assert models.attention_implementation(cpu, torch.bfloat16) == "sdpa"
     monkeypatch.setattr(models, "flash_attn_installed", lambda: False)
+    assert models.attention_implementation(cuda, torch.bfloat16) == attention.VARLEN  # torch's varlen_attn
+    monkeypatch.setattr(attention, "torch_has_varlen", lambda: False)
     assert models.attention_implementation(cuda, torch.bfloat16) == "sdpa"
 
 

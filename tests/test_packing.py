@@ -67,8 +67,12 @@ def test_packed_rows_restart_positions_and_keep_each_examples_targets_to_itself(
     a, b = example(3, 2, 0), example(2, 3, 50)  # 5 tokens each
     mb = batching.collate_packed([[a, b], []], width=12)
     assert "attention_mask" not in mb  # a mask would undo the block-diagonal attention (see the trap test)
-    assert mb["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 0, 1]  # the tail: its own block
+    # The padding tail continues the last example's positions (a one-example row is then plain causal) and is a
+    # segment of its own for the kernels: the boundaries at 5, 10, the row's end, and the empty row's end.
+    assert mb["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6]
     assert mb["position_ids"][1].tolist() == list(range(12))  # an empty row: one block of padding
+    assert mb["cu_seq_lens"].tolist() == [0, 5, 10, 12, 24] and mb["packed"]
+    assert not batching.collate_packed([[a], [b]], width=8)["packed"]
     # The positions whose next token is a target: a's 2nd..4th, b's 1st..4th (b's first token is a prompt token,
     # never a target of a's last position).
     assert mb["logit_positions"][0].tolist() == [2, 3, 6, 7, 8]

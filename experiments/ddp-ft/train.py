@@ -26,6 +26,7 @@ from peft import set_peft_model_state_dict
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ftkit import (
+    attention,
     batching,
     checkpoint,
     cli,
@@ -215,11 +216,10 @@ def main() -> None:
                     # switches the reducer off for both the forward and the backward of the micro-batches before.
                     sync = j == len(micro_batches) - 1 or args.sync_every_micro_step
                     with contextlib.nullcontext() if sync else model.no_sync():
-                        # The lm_head at the answer positions only; packed rows kept apart by their position_ids.
+                        # The lm_head at the answer positions only; packed rows kept apart by the kernel's boundaries.
                         with lora.compute_autocast(device, dtype):
                             out = model(
-                                input_ids=mb["input_ids"],
-                                position_ids=mb.get("position_ids"),
+                                **attention.model_inputs(mb, config),  # ids, positions, the examples' boundaries
                                 logits_to_keep=mb["logit_positions"],
                                 use_cache=False,
                             )

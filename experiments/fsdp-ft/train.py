@@ -30,6 +30,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 from torch.distributed.tensor import DTensor
 
 from ftkit import (
+    attention,
     batching,
     checkpoint,
     cli,
@@ -280,10 +281,9 @@ def main() -> None:
                     # Accumulate the unsharded gradients locally and reduce-scatter once, in the last micro-batch's
                     # backward (FSDP2's no_sync). The all-gathers still happen on every micro-batch.
                     model.set_requires_gradient_sync(j == len(micro_batches) - 1)
-                    # The lm_head at the answer positions only; packed rows kept apart by their position_ids.
+                    # The lm_head at the answer positions only; packed rows kept apart by the kernel's boundaries.
                     out = model(
-                        input_ids=mb["input_ids"],
-                        position_ids=mb.get("position_ids"),
+                        **attention.model_inputs(mb, config),  # ids, positions, the examples' boundaries
                         logits_to_keep=mb["logit_positions"],
                         use_cache=args.use_cache,
                     )

@@ -18,6 +18,7 @@ import torch
 from peft import set_peft_model_state_dict
 
 from ftkit import (
+    attention,
     batching,
     checkpoint,
     cli,
@@ -117,12 +118,11 @@ def main() -> None:
                 for mb in batches.micro_batches(step, args.micro_batch_size):
                     mb = batching.to_device(mb, device)
                     # The lm_head runs on the answer positions only: the loss needs no other logits. Packed rows: the
-                    # position_ids restart at every example, and with no mask and no KV cache that keeps each
-                    # example's attention to itself (batching.collate_packed); padded rows need no mask (causal).
+                    # examples' boundaries, worked out when the rows were collated, go to the attention kernel (varlen
+                    # lengths on a GPU, a block-diagonal mask otherwise); padded rows need no mask (causal).
                     with lora.compute_autocast(device, dtype):
                         out = model(
-                            input_ids=mb["input_ids"],
-                            position_ids=mb.get("position_ids"),
+                            **attention.model_inputs(mb, config),  # ids, positions, the examples' boundaries
                             logits_to_keep=mb["logit_positions"],
                             use_cache=False,
                         )
