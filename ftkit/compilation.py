@@ -3,6 +3,7 @@ sequence length a dynamic size so packed micro-batches of any width reuse it."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -30,26 +31,29 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 
 
 def compile_layers(model, enabled: bool, eager_because: str | None = None) -> dict | None:
-    """--compile: compile each decoder layer in place (regional compilation), after PEFT is applied and before any
-    wrapping that shards or replicates the model; what the run summary reports (`compile_report`).
+    """--compile: compile each decoder layer's own forward (regional compilation), after PEFT is applied and before
+    any wrapping that shards or replicates the model; what the run summary reports (`compile_report`).
 
-    Each layer keeps its name, its parameters and its hooks (a PEFT adapter saves as before, FSDP2's and DDP's
-    hooks run outside the compiled code); only its `__call__` runs compiled (`nn.Module.compile`). All the layers
-    run the same code on tensors of the same shapes, and their weights are the compiled function's inputs, not
-    constants, so dynamo traces one layer once and every other layer reuses that graph: one compile for 36 layers.
-    Micro-batches change width from one to the next (packed rows are as wide as the fullest, `data.packed_width`;
-    padded ones as the longest example), so every call marks the sequence's dimensions dynamic
-    (`mark_sequence_dynamic`): one graph whose kernels take the width as an argument, never recompiled for a new
-    one (a static graph would recompile at the second width, and dynamo's automatic dynamic would then compile a
-    second, dynamic graph). Only those sizes: `dynamic=True` would also turn the layer's Python floats (LoRA's
-    scaling, the norms' eps) into tensor inputs, 11 per layer call.
+    The compiled region is the layer's forward and nothing around it: the module's hooks (FSDP2's all-gathers, DDP's)
+    and transformers' activation checkpointing stay eager, outside it. transformers (>= 5.23) checkpoints a layer by
+    wrapping its class's `forward`; compiling the whole call put that checkpoint, and the LoRA dropout and SDPA it
+    recomputes (random ops), inside one graph, which inductor's partitioner on torch 2.11 cannot split
+    (`AssertionError: Node ... was invalid, but is output`; peft#3020, pytorch#135459). Here each layer's instance
+    `forward` is `_CompiledForward`: the checkpoint (torch.utils.checkpoint, as transformers runs it) around the
+    compiled original forward. The recompute runs the compiled forward again, and the checkpoint restores the RNG
+    state first, so the recomputed dropout masks are the first forward's.
+
+    All the layers run the same code on tensors of the same shapes, and their weights are the compiled function's
+    inputs, not constants: one compiled function for all of them, traced once. Micro-batches change width from one
+    to the next (packed rows are as wide as the fullest, `batching.packed_width`; padded ones as the longest
+    example), so every call marks the sequence's dimensions dynamic (`mark_sequence_dynamic`): one graph whose
+    kernels take the width as an argument, never recompiled for a new one. Only those sizes: `dynamic=True` would
+    also turn the layer's Python floats (LoRA's scaling, the norms' eps) into tensor inputs, 11 per layer call.
     `fullgraph=True` makes a graph break an error at the first step instead of a silent slowdown.
-    transformers' non-reentrant activation checkpointing is inside the layer's forward, so it is compiled too
-    (dynamo's `tag_activation_checkpoint`: the backward graph recomputes the layer's forward).
 
-    Only training forwards run compiled (`_CompiledWhenTraining`). An eval forward (the eval loss, generation) runs
-    the eager layer: eval micro-batches are padded to their own longest example, so each new shape (and the switch
-    to eval mode and no-grad) would compile another graph, for a few forwards every --eval-every steps.
+    Only training forwards run compiled. An eval forward (the eval loss, generation) runs the eager forward: eval
+    micro-batches are padded to their own longest example, so each new shape (and the switch to eval mode and
+    no-grad) would compile another graph, for a few forwards every --eval-every steps.
 
     `eager_because`: the technique cannot compile its layers (says why once, and the summary records it)."""
     if not enabled:
@@ -59,39 +63,56 @@ def compile_layers(model, enabled: bool, eager_because: str | None = None) -> di
         return {"eager": eager_because}
     backend = os.environ.get(COMPILE_BACKEND_ENV, "inductor")
     layers = decoder_layers(model)
+    forward = layer_forward(type(layers[0]))
+    compiled = torch.compile(forward, backend=backend, fullgraph=True)
     for layer in layers:
-        layer.compile(backend=backend, fullgraph=True)  # sets layer._compiled_call_impl, which __call__ runs
-        layer._compiled_call_impl = _CompiledWhenTraining(layer, layer._compiled_call_impl)
+        layer.forward = _CompiledForward(layer, forward, compiled)
     ranks.print0(f"--compile: {len(layers)} decoder layers compiled ({backend}); the first step compiles them")
     return {"backend": backend, "layers": len(layers)}
 
 
-class _CompiledWhenTraining:
-    """A compiled layer's call: the compiled code in training (autograd on, the layer in train mode), the eager
-    layer otherwise (an eval, even one that keeps autograd on, as pp-ft's schedule does), and also under a
-    TorchDispatchMode that watches every op (the sampled steps' collective recording in tp-ft and fsdp-tp-ft, a
+def layer_forward(cls: type):
+    """The decoder layer class's own forward, under the activation-checkpointing wrapper transformers >= 5.23 puts
+    on every `GradientCheckpointingLayer` subclass (`functools.wraps`: the original is its `__wrapped__`)."""
+    return getattr(cls.forward, "__wrapped__", cls.forward)
+
+
+class _CompiledForward:
+    """A decoder layer's forward as `compile_layers` sets it: checkpointed as transformers checkpoints it (when the
+    layer checkpoints and trains), around the compiled forward in training (autograd on, the layer in train mode)
+    and the eager one otherwise (an eval, even one that keeps autograd on, as pp-ft's schedule does), and also under
+    a TorchDispatchMode that watches every op (the sampled steps' collective recording in tp-ft and fsdp-tp-ft, a
     FlopCounterMode): dynamo does not compile under one, and such a mode must see the eager ops anyway."""
 
-    def __init__(self, layer: torch.nn.Module, compiled):
-        self.layer, self.compiled = layer, compiled
+    def __init__(self, layer: torch.nn.Module, forward, compiled):
+        self.layer, self.forward, self.compiled = layer, forward, compiled
 
     def __call__(self, *args, **kwargs):
         from torch.utils._python_dispatch import any_torch_dispatch_mode_on_stack
 
-        if self.layer.training and torch.is_grad_enabled() and not any_torch_dispatch_mode_on_stack():
+        layer = self.layer
+        run = self.forward
+        if layer.training and torch.is_grad_enabled() and not any_torch_dispatch_mode_on_stack():
             mark_sequence_dynamic(args, kwargs)
-            return self.compiled(*args, **kwargs)
-        return self.layer._call_impl(*args, **kwargs)
+            run = self.compiled
+        step = functools.partial(run, layer, **kwargs)
+        if layer.gradient_checkpointing and layer.training:
+            return layer._gradient_checkpointing_func(step, *args)
+        return step(*args)
 
 
 def mark_sequence_dynamic(args: tuple, kwargs: dict) -> None:
     """Mark, in a decoder layer's call, every dimension (past the batch's) as long as the sequence dynamic: the
     hidden states' [rows, width, hidden], RoPE's cos and sin [rows, width, head_dim], the position ids, a mask's
-    [rows, 1, width, width]. A size that only happens to equal the width is made dynamic too, which the graph
-    computes just as well. `maybe_`: a size the graph needs static stays static (a recompile, which the run's
-    summary would report) instead of an error."""
+    [rows, 1, width, width]; and the varlen boundaries' count (`attention.model_inputs`' `cu_seq_lens_q`). A size
+    that only happens to equal the width is made dynamic too, which the graph computes just as well. `maybe_`: a
+    size the graph needs static stays static (a recompile, which the run's summary would report) instead of an
+    error."""
     hidden = args[0] if args else kwargs["hidden_states"]
     width = hidden.shape[1]
+    for name in ("cu_seq_lens_q", "cu_seq_lens_k"):  # the packed rows' segments: as many as the micro-batch has
+        if kwargs.get(name) is not None:
+            torch._dynamo.maybe_mark_dynamic(kwargs[name], 0)
     stack = [*args, *kwargs.values()]
     while stack:
         value = stack.pop()

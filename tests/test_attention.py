@@ -25,9 +25,9 @@ def example(seed: int, n: int, answer: int) -> Encoded:
     return Encoded(ids, [IGNORE_INDEX] * (n - answer) + ids[n - answer :], False)
 
 
-def tiny(attn: str):
+def tiny(attn: str, grad_checkpointing: bool = False):
     model = models.load_model("tiny", quant="none", dtype=torch.float32, device=torch.device("cpu"), seed=0, attn=attn)
-    return lora.apply_lora(lora.freeze_base(model, False), rank=8, alpha=16.0, dropout=0.0, seed=0)
+    return lora.apply_lora(lora.freeze_base(model, grad_checkpointing), rank=8, alpha=16.0, dropout=0.0, seed=0)
 
 
 def row_losses(model, mb: dict) -> torch.Tensor:
@@ -159,3 +159,33 @@ def test_no_host_sync_in_a_micro_batch(monkeypatch, layout, attn):
         loss.backward()
         loss_sum += loss.detach()
     assert syncs.ops == []
+
+
+def test_compiled_layers_take_the_varlen_boundaries(monkeypatch):
+    """The decoder layers compiled (`compilation.compile_layers`, dynamo + AOTAutograd) with VARLEN, the boundaries
+    an input of the graph: packed micro-batches of two widths run one graph, no break, no recompile, and give the
+    eager losses."""
+    from torch._dynamo.utils import clear_compilation_metrics, counters
+
+    from ftkit import compilation
+
+    monkeypatch.setattr(attention, "_kernel", reference_varlen)
+    monkeypatch.setenv(compilation.COMPILE_BACKEND_ENV, "aot_eager")
+    items = [example(1, 40, 10), example(2, 30, 8), example(3, 60, 12), example(4, 20, 5), example(5, 50, 9)]
+    micro_batches = [
+        batching.collate_packed([items[:2], items[2:4]], 128),
+        batching.collate_packed([items[4:], []], 64),
+    ]
+    eager = [row_losses(tiny(attention.VARLEN), mb).sum() for mb in micro_batches]
+    torch._dynamo.reset()  # this process's compiled code and counts (other tests compiled in it)
+    counters.clear()
+    clear_compilation_metrics()
+    model = tiny(attention.VARLEN, grad_checkpointing=True)  # as the scripts run them
+    compiled = compilation.compile_layers(model, True)
+    losses = [row_losses(model, mb).sum() for mb in micro_batches]
+    report = compilation.compile_report(compiled)
+    torch._dynamo.reset()
+    assert (report["graphs"], report["graph_breaks"], report["recompiles"]) == (1, 0, 0), report.get(
+        "recompile_reasons"
+    )
+    torch.testing.assert_close(torch.stack(losses), torch.stack(eager), rtol=1e-6, atol=1e-5)
