@@ -5,6 +5,7 @@ checks every flag before anything expensive; --resume takes the run's own flags 
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
@@ -277,7 +278,67 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     for key, (ok, expected) in ranges.items():
         if not ok:
             raise RunError(f"--{key.replace('_', '-')} must be {expected}, got {getattr(args, key)}")
+    why = eager_because(args)
+    if why and args.compile and "compile" in getattr(args, "explicit_flags", ()):
+        # Where --compile is only the default (CUDA runs), the layers run eager and say why (compile_layers).
+        raise RunError(
+            f"--quant nf4 --compile: the decoder layers cannot be compiled: {why}. Drop --compile (--quant nf4 runs "
+            "its layers eager, as it does by default), or compile a bf16 base: --quant none --compile"
+        )
+    check_compiled_dropout(args)
     return args
+
+
+# torch releases whose inductor draws wrong dropout masks in compiled layers that activation checkpointing recomputes
+# (pytorch/pytorch#198333, "Since 2.13, inductor's 4x random path corrupts CUDA dropout masks"): on CUDA the forward
+# kernel can take Philox's 4-at-a-time path and the recompute in backward the one-at-a-time path, so backward
+# differentiates another mask than the forward applied, silently. LoRA's dropout on o_proj's input (attention's output,
+# transposed and made contiguous) is the issue's pattern. torch 2.15 turns that path off (inductor's `use_rand4x`,
+# "Disabled pending" the issue, unless TORCHINDUCTOR_USE_RAND4X=1).
+COMPILED_DROPOUT_BROKEN = ((2, 13), (2, 14))
+
+# fsdp-ft --quant nf4: why its decoder layers run eager (`compilation.compile_layers`' eager_because: said once, kept
+# in the summary), and why an explicit --compile is refused there.
+FSDP_NF4_EAGER_BECAUSE = (
+    "FSDP2 hands each layer its 4-bit weights all-gathered as plain uint8 tensors, and bitsandbytes' Linear4bit "
+    "re-wraps each as a Params4bit on every call (fix_4bit_weight_quant_state_from_module), setting .data of a tensor "
+    "made inside the compiled code, which dynamo cannot trace (tests/fsdp_4bit_compile.py)"
+)
+
+# The runs whose decoder layers run eager whatever --compile says, each for a reason of its own, passed to
+# compile_layers: tp-sp-ft and cp-ft (collectives inside hand-written autograd Functions), and assets/hf_baseline.py,
+# which never compiles.
+ALWAYS_EAGER = ("tp-sp-ft", "cp-ft", "hf-baseline")
+
+
+def eager_because(args: argparse.Namespace) -> str | None:
+    """Why this run's decoder layers run eager with --compile on, where it depends on the flags: fsdp-ft on a 4-bit
+    base (FSDP_NF4_EAGER_BECAUSE); None where they compile."""
+    if args.experiment == "fsdp-ft" and getattr(args, "quant", "none") == "nf4":
+        return FSDP_NF4_EAGER_BECAUSE
+    return None
+
+
+def layers_compiled(args: argparse.Namespace) -> bool:
+    """Whether this run's decoder layers run compiled: --compile on, and a technique and base that compile them."""
+    return bool(args.compile) and args.experiment not in ALWAYS_EAGER and eager_because(args) is None
+
+
+def check_compiled_dropout(args: argparse.Namespace) -> None:
+    """Refuse LoRA dropout in compiled, checkpointed layers on a torch whose compiled dropout is wrong there
+    (COMPILED_DROPOUT_BROKEN): the run would train on gradients of masks the forward never applied, with no error."""
+    if not (layers_compiled(args) and args.grad_checkpointing and args.lora_dropout > 0):
+        return
+    version = torch.__version__
+    if tuple(int(n) for n in re.match(r"(\d+)\.(\d+)", version).groups()) not in COMPILED_DROPOUT_BROKEN:
+        return
+    raise RunError(
+        f"--compile with activation checkpointing and --lora-dropout {args.lora_dropout} on torch {version}: "
+        "torch 2.13 and 2.14 compile dropout on CUDA so that the recompute in backward can draw another mask than "
+        "the forward applied, and the gradients are silently wrong (pytorch/pytorch#198333). Drop one of the three: "
+        "--lora-dropout 0, --no-compile, or --no-grad-checkpointing (memory permitting); or use another torch (the "
+        "lock's 2.15, `uv sync`, or 2.11)"
+    )
 
 
 def load_experiment(name: str):

@@ -446,18 +446,24 @@ def load_model(
     return net
 
 
-def check_4bit_storage(quantization_config, param_dtype: torch.dtype) -> None:
-    """Before a 4-bit base is loaded for FSDP2: FSDP2 casts every floating parameter to the policy's param_dtype
-    before its all-gather and leaves integer ones as they are. bitsandbytes can store the packed 4-bit bytes in a
-    float tensor (`bnb_4bit_quant_storage`, FSDP1's workaround); a float storage other than param_dtype would be
-    cast, its bytes converted as numbers, and the layer would dequantize garbage (bitsandbytes#1945). `bnb_config`
-    stores them as uint8: never cast, all-gathered as bytes."""
+def check_4bit_storage(quantization_config) -> None:
+    """Before a 4-bit base is loaded for FSDP2: its packed bytes must be stored as an integer tensor (uint8,
+    `bnb_4bit_quant_storage`'s default, which `bnb_config` keeps), which FSDP2 never casts and all-gathers as bytes.
+    bitsandbytes can store them in a float tensor instead (FSDP1's workaround: its flat parameters needed one float
+    dtype), and then any code that handles the tensor as numbers may rewrite it: a cast to another --param-dtype
+    converts every byte, and even at the same dtype the packed elements that happen to spell a NaN (~0.07% of them,
+    bf16 or fp32) come back as a canonical NaN from any kernel that goes through floats. bitsandbytes#1945 measures
+    that under FSDP2 with bf16 storage on GPUs: wrong outputs, no error. On a CPU, gloo's copies keep the bytes, so no
+    CPU test can prove a float storage safe: any float storage is refused, at any --param-dtype
+    (tests/test_fsdp.py::test_packed_nf4_bytes_held_as_floats_include_nans_a_float_op_rewrites)."""
     storage = quantization_config.bnb_4bit_quant_storage
-    if storage.is_floating_point and storage != param_dtype:
+    if storage.is_floating_point:
         raise ModelError(
-            f"4-bit weights stored as {storage} and all-gathered in {param_dtype}: FSDP2 would cast the packed "
-            "bytes as numbers. Store them as uint8 (bnb_4bit_quant_storage's default, models.bnb_config) or in "
-            f"the all-gather's dtype (bnb_4bit_quant_storage={param_dtype}, or --param-dtype to match)."
+            f"4-bit weights stored as {storage} (bnb_4bit_quant_storage): FSDP2 handles a float parameter as "
+            "numbers, and packed NF4 bytes that spell a NaN can come back canonicalised, so the layer dequantizes "
+            "other weights, silently (bitsandbytes#1945, on GPUs; a cast to another --param-dtype converts every "
+            "byte). Store them as uint8, bnb_4bit_quant_storage's default (models.bnb_config): FSDP2 never casts an "
+            "integer parameter and all-gathers it as bytes."
         )
 
 

@@ -229,27 +229,124 @@ def test_fully_shard_gathers_back_the_4bit_bytes_each_rank_quantized(tmp_path):
         assert w["shard_bytes"] * 2 == w["bytes"], (name, w)
 
 
-def test_a_4bit_storage_fsdp2_would_cast_is_refused():
-    """bitsandbytes can keep the packed bytes in a float tensor (bnb_4bit_quant_storage); FSDP2 casts a float
-    parameter to --param-dtype before the all-gather, which would convert the bytes as numbers. Checked on the
-    quantization config, before any weight is loaded."""
+def test_a_float_4bit_storage_is_refused_at_any_param_dtype():
+    """bitsandbytes can keep the packed bytes in a float tensor (bnb_4bit_quant_storage, FSDP1's workaround). FSDP2
+    casts a float parameter to --param-dtype before the all-gather, which converts the bytes as numbers; and at the
+    same dtype the packed elements that spell a NaN can come back canonicalised (bitsandbytes#1945, GPUs). Only an
+    integer storage is safe, so the fix named is uint8, never a float storage. Checked on the quantization config,
+    before any weight is loaded."""
     from transformers import BitsAndBytesConfig
 
     from ftkit import errors, models
 
-    models.check_4bit_storage(models.bnb_config(torch.bfloat16), torch.bfloat16)  # uint8: never cast
-    models.check_4bit_storage(models.bnb_config(torch.float32), torch.float32)
-    same = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=torch.bfloat16)
-    models.check_4bit_storage(same, torch.bfloat16)  # stored as it is gathered
-    with pytest.raises(errors.ModelError, match="would cast the packed bytes") as refused:
-        models.check_4bit_storage(same, torch.float32)
-    assert "uint8" in str(refused.value)  # the fix
+    models.check_4bit_storage(models.bnb_config(torch.bfloat16))  # uint8: never cast, gathered as bytes
+    models.check_4bit_storage(models.bnb_config(torch.float32))
+    for storage in (torch.bfloat16, torch.float32, torch.float16):
+        config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_storage=storage)
+        with pytest.raises(errors.ModelError) as refused:
+            models.check_4bit_storage(config)
+        message = str(refused.value)
+        assert str(storage) in message and "bitsandbytes#1945" in message  # what is wrong, and where it is measured
+        assert "Store them as uint8" in message and "--param-dtype to match" not in message  # the one safe fix
+
+
+def test_a_float_4bit_storage_is_refused_before_any_work(tmp_path, data_dir, monkeypatch):
+    """--quant nf4 with a bf16 storage and --param-dtype bf16 (the storage the old check let through, since FSDP2
+    does not cast it): refused with the flags, before the process group and the model."""
+    from transformers import BitsAndBytesConfig
+
+    from ftkit import models
+
+    def bf16_storage(compute_dtype):
+        return BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_compute_dtype=compute_dtype, bnb_4bit_quant_storage=torch.bfloat16
+        )
+
+    monkeypatch.setattr(models, "bnb_config", bf16_storage)
+    out = tmp_path / "o"
+    argv = flags(data_dir, 8, "--quant", "nf4", "--dtype", "bf16", "--param-dtype", "bf16", "--output-dir", str(out))
+    message = parity.refused(monkeypatch, TRAIN, *argv, world=2)
+    assert "uint8" in message and not out.exists()
+
+
+def test_packed_nf4_bytes_held_as_floats_include_nans_a_float_op_rewrites():
+    """Why a float storage is refused, on the CPU: NF4's packed bytes viewed as bf16 (or fp32) include NaN bit
+    patterns, and any op that computes on them as floats (here x * 1) rewrites those as a quiet or canonical NaN, so
+    the layer would dequantize other weights. Plain copies (a clone, a same-dtype .to, a cat: what gloo's all-gather
+    and FSDP2's copy-in and copy-out do on a CPU) keep them, which is why no CPU run can prove a float storage
+    safe on GPUs, where bitsandbytes#1945 measured the canonicalisation under FSDP2."""
+    import bitsandbytes.functional as bnb_f
+
+    weight = torch.randn(1024, 1024, generator=torch.Generator().manual_seed(0))
+    for storage in (torch.bfloat16, torch.float32):
+        packed, state = bnb_f.quantize_4bit(weight, blocksize=64, quant_type="nf4", quant_storage=storage)
+        assert packed.dtype == storage
+        flat = packed.reshape(-1)
+        nans = int(torch.isnan(flat).sum())
+        print(f"{storage}: {nans} of {flat.numel()} packed elements are NaN bit patterns")
+        assert nans > 0
+        as_bytes = flat.view(torch.uint8)
+        for copy in (flat.clone(), flat.to(storage), torch.cat([flat, flat])[: flat.numel()]):
+            assert torch.equal(copy.view(torch.uint8), as_bytes)
+        computed = flat * 1
+        bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32}[storage]  # compared as bit patterns
+        rewritten = int((computed.view(bits) != flat.view(bits)).sum())
+        changed = bnb_f.dequantize_4bit(computed.view(packed.shape), state) != bnb_f.dequantize_4bit(packed, state)
+        print(f"  x * 1 rewrote {rewritten} of them, changing {int(changed.sum())} dequantized weights")
+        assert rewritten > 0 and changed.any()
 
 
 def test_qlora_adapter_loads_on_an_nf4_base(qlora, tmp_path):
     """infer.py rebuilds the run's base as it trained (NF4) and loads the gathered adapter with stock PEFT."""
     parity.infer_with_a_loud_adapter(INFER, qlora.run_dir, tmp_path)
     assert json.loads((qlora.run_dir / "config.json").read_text())["args"]["quant"] == "nf4"
+
+
+def test_qlora_compile_asked_for_is_refused_before_any_work(tmp_path, data_dir, monkeypatch):
+    """--quant nf4 --compile: the layers cannot be compiled under FSDP2 (test below), so an explicit --compile is
+    refused with the reason, before the process group; without it, --quant nf4 runs its layers eager."""
+    out = tmp_path / "o"
+    argv = flags(data_dir, 8, "--quant", "nf4", "--compile", "--output-dir", str(out))
+    message = parity.refused(monkeypatch, TRAIN, *argv, world=2)
+    assert "--quant nf4 --compile" in message and "Params4bit" in message and "Drop --compile" in message
+    assert not out.exists()
+
+
+def test_qlora_compile_by_default_runs_the_layers_eager(monkeypatch, capsys):
+    """A GPU run's --compile is a default, not asked for: `--quant nf4` alone is not refused, and its layers run
+    eager, said once and recorded (`compile_layers`' eager_because: `cli.eager_because`, in the script's call)."""
+    import runpy
+
+    from ftkit import cli, compilation
+
+    parse_args = runpy.run_path(TRAIN)["parse_args"]
+    monkeypatch.setattr("sys.argv", [TRAIN, "--quant", "nf4"])
+    args = parse_args()
+    assert args.compile and "compile" not in args.explicit_flags
+    because = cli.eager_because(args)
+    assert because == cli.FSDP_NF4_EAGER_BECAUSE and "Params4bit" in because
+    assert compilation.compile_layers(torch.nn.Module(), True, eager_because=because) == {"eager": because}
+    assert capsys.readouterr().out.count("the decoder layers run eager") == 1
+    assert "eager_because=cli.eager_because(args)" in open(TRAIN).read()  # the script's own call passes it
+    monkeypatch.setattr("sys.argv", [TRAIN, "--quant", "none"])
+    assert cli.eager_because(parse_args()) is None  # a bf16 base compiles
+    monkeypatch.setattr("sys.argv", [TRAIN, "--quant", "nf4", "--no-compile"])
+    assert not parse_args().compile
+
+
+def test_a_sharded_4bit_base_does_not_compile(tmp_path):
+    """The reason the refusal gives, held: the tiny model in NF4 with LoRA, its layers compiled as --compile would
+    (aot_eager: dynamo's capture, which is where it stops) and sharded by fsdp-ft's `shard_model`: dynamo stops in
+    bitsandbytes' re-wrap of the all-gathered weight (tests/fsdp_4bit_compile.py). When this fails, a torch or
+    bitsandbytes has fixed it: lift the refusal and prove the compiled losses equal the eager ones instead."""
+    out = tmp_path / "compiled.json"
+    env = {"FTKIT_COMPILE_BACKEND": "aot_eager"}
+    run = parity.torchrun("tests/fsdp_4bit_compile.py", str(out), env=env)
+    assert run.returncode == 0, run.report()
+    error = json.loads(out.read_text())["error"]
+    assert error is not None, "the sharded 4-bit layers compiled: lift fsdp-ft's --quant nf4 --compile refusal"
+    assert error["type"] == "Unsupported", error
+    assert "fix_4bit_weight_quant_state_from_module" in error["text"] and "Params4bit" in error["text"], error
 
 
 def test_qlora_with_cpu_offload_is_refused_before_any_work(tmp_path, data_dir, monkeypatch):

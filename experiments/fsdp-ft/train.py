@@ -117,6 +117,8 @@ def parse_args():
         "left unchanged (costs a copy of every trainable shard per step; on by itself with that flag)",
     )
     args = cli.resolve(p.parse_args())
+    if args.quant == "nf4":  # FSDP2 would treat a float storage of the 4-bit bytes as numbers: refused before the load
+        models.check_4bit_storage(models.bnb_config(cli.torch_dtype(args.dtype)))
     if args.quant == "nf4" and args.cpu_offload:
         raise errors.RunError(
             "--quant nf4 --cpu-offload: not supported yet. The 4-bit shards would go to the host, each layer's "
@@ -203,8 +205,6 @@ def main() -> None:
     # QLoRA (--quant nf4): bitsandbytes quantizes as it loads, and a meta model cannot become Linear4bit layers, so
     # every rank quantizes the checkpoint itself (the same bytes everywhere) and sharding keeps its 1/N of them.
     attn = models.attention_implementation(device, dtype)
-    if args.quant == "nf4":  # FSDP2 would cast a float storage of the 4-bit bytes: refused before the load
-        models.check_4bit_storage(models.bnb_config(dtype), cli.torch_dtype(args.param_dtype))
     with ranks.rank0_first():
         model = models.load_model(
             args.model,
@@ -224,7 +224,8 @@ def main() -> None:
         lora.checkpoint_activations(model)
     model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     checkpoint.seed_dropout(args.seed, stream=rank)  # each rank's examples differ, and so do its dropout masks
-    compiled = compilation.compile_layers(model, args.compile)  # --compile: each decoder layer, in place, before FSDP2
+    # --compile: each decoder layer, in place, before FSDP2; eager on a 4-bit base, saying why (cli.eager_because)
+    compiled = compilation.compile_layers(model, args.compile, eager_because=cli.eager_because(args))
     if args.adapters_in_base_dtype:
         for p in model.parameters():
             if p.requires_grad:
