@@ -210,3 +210,18 @@ def test_a_rank_that_built_the_whole_model_releases_its_cached_blocks_after_slic
     metrics.release_cached_memory(torch.device("cuda", 1))
     assert released == [True]  # on CUDA only
     assert "peak_reserved: what the caching allocator held" in metrics.memory_note(torch.device("cuda", 1))
+
+
+def test_adamw_is_fused_on_cuda_and_the_default_elsewhere():
+    """The choice `optim.adamw_cosine` makes from its parameters' devices: fused where all are on CUDA (parameters
+    faked by their device, which is all the choice reads), the default where any is not; on the CPU the optimizer
+    is built with fused off, as every CPU parity run is."""
+    from ftkit import optim
+
+    on = types.SimpleNamespace
+    assert optim.fused_adamw([on(device=torch.device("cuda", 0)), on(device=torch.device("cuda", 0))])
+    assert not optim.fused_adamw([on(device=torch.device("cuda", 0)), on(device=torch.device("cpu"))])
+    assert not optim.fused_adamw([])
+    args = types.SimpleNamespace(lr=1e-3, weight_decay=0.0, warmup_steps=1, max_steps=2)
+    optimizer, _ = optim.adamw_cosine([torch.nn.Parameter(torch.zeros(2))], args)
+    assert optimizer.defaults["fused"] is False
