@@ -26,7 +26,7 @@
 # Measured on an H200 (devlogs/runs/gpu-session-2026-11-26-gpu/): a bf16 run of 6 eager steps takes 44-48 s from
 # start to exit, its random weights drawn in a few seconds; compiling adds its first step's compile. The lent
 # machines' own packages are older than the lock's (torch 2.11, transformers 5.17, no bitsandbytes): carry a
-# transformers >= 5.21 wheel (WHEELS=DIR); without bitsandbytes the QLoRA runs are skipped, saying so, and part a
+# transformers >= 5.23 wheel (WHEELS=DIR); without bitsandbytes the QLoRA runs are skipped, saying so, and part a
 # runs ddp-ft and single-gpu-ft with --quant none.
 #
 # Files: each part writes a new folder <part>-<what>-<device>[-N] under --out (GPU_SESSION_OUT; default

@@ -185,6 +185,19 @@ def recording(recorder: CommRecorder) -> Iterator[CommRecorder]:
             setattr(dist, name, fn)
 
 
+def ddp_no_forward_buffer_sync() -> dict[str, bool]:
+    """DDP's keyword that turns off the broadcast of rank 0's buffers before every forward, in this torch's
+    spelling: `forward_sync_buffers=False` from torch 2.13 (which deprecates `broadcast_buffers`, with a warning),
+    `broadcast_buffers=False` before (torch 2.11, the lent GPU machines' own). The older flag also leaves the
+    buffers out of DDP's broadcast at construction; the scripts' only buffers are RoPE's frequencies, computed
+    alike on every rank, so the two give the same run."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters:
+        return {"forward_sync_buffers": False}
+    return {"broadcast_buffers": False}
+
+
 def register_ddp_hook(ddp_model, recorder: CommRecorder, process_group=None) -> None:
     """Route DDP's gradient buckets through a hook that all-reduces each one exactly as DDP's built-in reducer
     does (divide by the world size, all-reduce SUM: the average) and records it. Call before the first forward.

@@ -266,9 +266,13 @@ def fork_torchrun_workers() -> None:
 
 def serve() -> None:
     import importlib
+    import importlib.util
 
     for name in PRELOAD:
-        importlib.import_module(name)
+        # bitsandbytes is optional (the GPU machines' environment has none, .ci/gpu-machine-env): preloaded where
+        # installed; a run that needs it fails at its own import, as a fresh `python` would
+        if name != "bitsandbytes" or importlib.util.find_spec(name) is not None:
+            importlib.import_module(name)
     # fork() copies one thread: a server that had started others (a thread pool) would hand its children locks
     # that nobody will release. Importing the stack starts none; if that changes, say so instead of hanging.
     threads = len(os.listdir("/proc/self/task"))

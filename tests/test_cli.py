@@ -110,3 +110,19 @@ def test_always_eager_names_the_scripts_that_never_compile_their_layers(script):
     always_eager = re.search(r"eager_because=(\w+\.)?[A-Z_]+\s*$", call) is not None  # a constant: every run
     assert always_eager == (script in EAGER) == (script in cli.ALWAYS_EAGER), call
     assert set(cli.ALWAYS_EAGER) == {*EAGER, "hf-baseline"}
+
+
+def test_qlora_without_bitsandbytes_is_refused_with_the_way_out(monkeypatch):
+    """The GPU machines this project is measured on have no bitsandbytes: --quant nf4 says so before any work,
+    instead of transformers' ImportError once the model loads; --quant none runs."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else find_spec(name, *a)
+    )
+    parser = cli.common_parser("test", experiment="single-gpu-ft")
+    parser.add_argument("--quant", default="nf4")
+    with pytest.raises(errors.RunError, match="needs bitsandbytes.*--quant none"):
+        cli.resolve(parser.parse_args(["--smoke"]))
+    assert cli.resolve(parser.parse_args(["--smoke", "--quant", "none"])).quant == "none"

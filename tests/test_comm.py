@@ -99,6 +99,25 @@ def test_ddp_hook_sees_every_bucket_once_per_sync(group):
     assert stats["bytes"] == grad_bytes and stats["count"] == 2, stats
 
 
+def test_ddp_buffer_sync_is_turned_off_in_this_torch_and_in_2_11(group, monkeypatch):
+    """ddp-ft's DDP broadcasts no buffer before each forward: `forward_sync_buffers=False` where torch has it
+    (2.13 on), `broadcast_buffers=False` on torch 2.11, whose DDP has no such keyword (a TypeError there)."""
+    import warnings
+
+    DDP = torch.nn.parallel.DistributedDataParallel
+    net = torch.nn.Linear(4, 4)
+    net.register_buffer("inv_freq", torch.ones(2))  # a constant buffer, as RoPE's
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch >= 2.13 warns that broadcast_buffers is deprecated
+        ddp = DDP(net, **comm.ddp_no_forward_buffer_sync())
+    assert ddp.broadcast_buffers is False  # an attribute in 2.11, a property of forward_sync_buffers after
+
+    def init_2_11(self, module, device_ids=None, broadcast_buffers=True, init_sync=True): ...
+
+    monkeypatch.setattr(DDP, "__init__", init_2_11)
+    assert comm.ddp_no_forward_buffer_sync() == {"broadcast_buffers": False}
+
+
 def test_summarize_gives_totals_and_per_step_means():
     rows = [
         {"step": 1, "comm": {"all_reduce": {"bytes": 100, "count": 1, "time_s": 0.5}}},

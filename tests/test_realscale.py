@@ -11,6 +11,7 @@ devlogs/runs/realscale/."""
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 import torch
@@ -322,6 +323,21 @@ def test_qlora_runs_on_a_4bit_base_stored_as_bitsandbytes_stores_it():
     assert result["flops_counted_with_recompute"] > result["flops_counted"]
     assert result["bf16_matmul_fraction"] == 1.0
     assert any("quantize_4bit" in s for s in result["stand_ins"]), result["stand_ins"]
+
+
+def test_a_bf16_base_needs_no_bitsandbytes(monkeypatch):
+    """Without bitsandbytes (the lent GPU machines have none) no layer is a Linear4bit, and looking for them does
+    not import it: a --quant none measurement needs no bitsandbytes."""
+    import bitsandbytes as bnb
+
+    from ftkit.realscale import nf4
+
+    layer = bnb.nn.Linear4bit(8, 8)
+    model = torch.nn.Sequential(layer, torch.nn.Linear(8, 8))
+    assert nf4.linear4bit_layers(model) == [layer]
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as if not installed: importing it raises
+    assert nf4.linear4bit_layers(model) == []
+    assert nf4.quantize_fake(torch.nn.Linear(8, 8)) == []
 
 
 def test_fsdp_shards_a_4bit_base_as_bytes_and_keeps_its_constants_whole():

@@ -156,7 +156,7 @@ def main() -> None:
         find_unused_parameters=args.find_unused_parameters,
         gradient_as_bucket_view=args.gradient_as_bucket_view,
         static_graph=args.static_graph,
-        forward_sync_buffers=False,
+        **comm.ddp_no_forward_buffer_sync(),  # forward_sync_buffers=False (broadcast_buffers on torch 2.11)
     )
     # The comm hook does what DDP's built-in reducer does (average each bucket with one all-reduce) and records
     # each bucket's bytes and time for the metrics (ftkit/comm.py).

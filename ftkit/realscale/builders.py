@@ -9,7 +9,7 @@ from unittest import mock
 import torch
 
 from ftkit import batching, cli, comm, lora, models
-from ftkit.realscale.nf4 import pack_meta, quantize_fake, quantize_meta, settings_4bit
+from ftkit.realscale.nf4 import linear4bit_layers, pack_meta, quantize_fake, quantize_meta, settings_4bit
 
 
 def build(technique: str, script, args, world: int, device: torch.device, layers: int | None = None):
@@ -88,10 +88,8 @@ def materialise(model, device: torch.device) -> list[torch.Tensor]:
     """Storage (fake, inside FakeTensorMode) for every parameter and buffer, and the RoPE frequencies, a
     non-persistent buffer that to_empty leaves uninitialised, recomputed as the scripts do; a 4-bit base's
     projections quantized (`quantize_fake`), whose constants it returns."""
-    import bitsandbytes as bnb
-
-    for module in model.modules():  # to_empty replaces a Params4bit with a plain tensor: keep its settings
-        if isinstance(module, bnb.nn.Linear4bit) and not hasattr(module, "settings_4bit"):
+    for module in linear4bit_layers(model):  # to_empty replaces a Params4bit with a plain tensor: keep its settings
+        if not hasattr(module, "settings_4bit"):
             module.settings_4bit = settings_4bit(module.weight)
     model.to_empty(device=device)
     # to_empty gives each module its own new tensor, so a parameter two modules share (the tied embedding and
@@ -170,7 +168,7 @@ def wrap_ddp(model, args, recorder: comm.CommRecorder, stand_ins: list[str]):
         find_unused_parameters=args.find_unused_parameters,
         gradient_as_bucket_view=args.gradient_as_bucket_view,
         static_graph=args.static_graph,
-        forward_sync_buffers=False,
+        **comm.ddp_no_forward_buffer_sync(),
         init_sync=False,  # no check or broadcast of the parameters across ranks: fake tensors have no data to send
     )
 

@@ -8,6 +8,7 @@ state (`fsdp_quant_state`)."""
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import threading
 from unittest import mock
 
@@ -15,6 +16,16 @@ import torch
 
 from ftkit import comm, memory, models
 from ftkit.realscale import RealScaleError
+
+
+def linear4bit_layers(model) -> list[torch.nn.Module]:
+    """The model's bitsandbytes `Linear4bit` layers. None without bitsandbytes (the lent GPU machines have none), where
+    no layer can be one: a bf16 base's run needs no bitsandbytes."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return []
+    import bitsandbytes as bnb
+
+    return [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
 
 
 def quantize_meta(model, dtype: torch.dtype) -> None:
@@ -65,14 +76,15 @@ def quantize_fake(model) -> list[torch.Tensor]:
     (`pack_meta`) stays: the packed codes must have its shape, and the state is the module's only, whole on every
     rank (`fsdp_quant_state`). Returns the constants' tensors (absmax codes, their fp32 absmax, code book and
     offset), which live beside the parameter."""
+    layers = linear4bit_layers(model)
+    if not layers:
+        return []
     import bitsandbytes as bnb
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.distributed.tensor import DTensor
 
-    layers = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
-    if layers:  # double quantization's 8-bit code book, which bitsandbytes computes from values once and caches
-        with unset_fake_temporarily():
-            bnb.functional.name2qmap.setdefault("dynamic", bnb.functional.create_dynamic_map())
+    with unset_fake_temporarily():  # double quantization's 8-bit code book, which bitsandbytes computes once and caches
+        bnb.functional.name2qmap.setdefault("dynamic", bnb.functional.create_dynamic_map())
     constants = []
     for module in layers:
         settings = module.settings_4bit
