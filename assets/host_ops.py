@@ -301,7 +301,9 @@ def host_tables() -> str:
     for run, (source, role) in H100_RUNS.items():
         summary = json.loads((runs / run / "summary.json").read_text())
         c = summary["config"]
-        s = h100_setting(**settings.run_flags(c), layout="masked", steps=summary["steps_run"], ops_source=source)
+        s = h100_setting(  # each run's own batches, in the tiny tokenizer's tokens it ran (before issue 42)
+            **settings.run_flags(c), layout="masked", steps=summary["steps_run"], ops_source=source, tokenizer="tiny"
+        )
         steps = [timing.step_time(s, "single", {}, c["quant"], st) for st in layouts.layout_steps(s, 1)][1:]
         predicted = statistics.median(p["step_time_s"] for p in steps)
         measured = summary["median_step_time_s"]

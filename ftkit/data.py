@@ -264,7 +264,10 @@ class ChatFormatter:
     assistant turn the answer. The prompt is rendered by the tokenizer's own chat template
     (`enable_thinking=False`, which renders Qwen3's empty think block), so the base model sees the format it was
     tuned on. The transcript is tokenized as its own segment so it can be cut to fit without touching the
-    answer or the template."""
+    answer or the template. (Qwen3's pre-tokenizer joins punctuation with the newlines after it, so where a
+    transcript ends in punctuation its prompt holds two tokens where Qwen3's tokenization of the rendered prompt
+    holds one: a token of the masked prompt, not of the loss. The tiny tokenizer's pre-tokenizer, GPT-2's, joins
+    none.)"""
 
     SENTINEL = "\x00TRANSCRIPT\x00"
 

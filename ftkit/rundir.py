@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from ftkit import attention, checkpoint, hardware, metrics, ranks
+from ftkit import attention, checkpoint, hardware, metrics, models, ranks
 from ftkit.errors import RunComplete, RunError
 
 RUNS = Path("runs")
@@ -25,6 +25,7 @@ RUNS = Path("runs")
 # Flags whose change would make a resumed run a different run (other data, other batches, other schedule).
 RESUME_MUST_MATCH = (
     "model",
+    "tokenizer",
     "data",
     "task",
     "seed",
@@ -89,6 +90,7 @@ def take_run_flags(args: argparse.Namespace) -> None:
     if not cfg_path.exists():
         raise RunError(f"--resume {args.resume}: {run_dir} has no config.json, so it is not a run to continue")
     old = json.loads(cfg_path.read_text())["args"]
+    old["tokenizer"] = models.recorded_tokenizer(old)  # a run from before --tokenizer continues with the one it used
     if old.get("experiment") != args.experiment:
         raise RunError(
             f"--resume {args.resume}: that is a {old.get('experiment')} run; continue it with "

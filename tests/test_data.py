@@ -136,10 +136,12 @@ def test_trimming_keeps_answers_whole(tokenizer, splits):
     assert all(not ex.trimmable or ex.kind == "span" for ex, enc in kept if enc.trimmed)
 
 
-def test_a_transcript_is_cut_as_if_tokenized_whole(tokenizer, splits):
+@pytest.mark.parametrize("name", [models.TINY, models.QWEN3])
+def test_a_transcript_is_cut_as_if_tokenized_whole(name, tokenizer, splits):
     """ChatFormatter tokenizes a prefix of a long transcript, not the whole meeting: its first tokens must be the
-    whole text's, at every budget the scripts use (the held-out meetings: spans and whole meetings alike)."""
-    fmt = data.ChatFormatter(tokenizer, max_length=256)
+    whole text's, at every budget the scripts use (the held-out meetings: spans and whole meetings alike), with the
+    tiny tokenizer's pre-tokenizer (GPT-2's) and Qwen3's own."""
+    fmt = data.ChatFormatter(tokenizer if name == models.TINY else models.qwen3_tokenizer(), max_length=256)
     texts = sorted({ex.transcript for ex in splits["val"]}, key=len)
     assert len(texts[-1]) > 30_000  # whole meetings among them
     for text in texts:

@@ -38,19 +38,31 @@ def test_pack_fills_rows_first_fit_decreasing_and_keeps_every_example_once():
 
 
 def test_the_committed_layout_table_is_the_shipped_datas_and_meets_the_padding_bar():
-    """assets/packing_layout.py on the shipped data (the host-side layout, no model) gives the committed JSON and the
-    single-GPU devlog's table; at the reference micro-batch (2) the packed layout pads at most 5% of its positions
-    (issue 30's bar: micro-batches as wide as their fullest row, `packed_width`) in half the padded micro-steps."""
+    """assets/packing_layout.py on the shipped data in Qwen3's tokens (the host-side layout, no model) gives the
+    committed JSON and the single-GPU devlog's table; at the reference micro-batch (2) the packed layout pads at most 5%
+    of its positions (issue 30's bar: micro-batches as wide as their fullest row, `packed_width`) in half the padded
+    micro-steps. The examples it encodes are the ones the planner rebuilds from ftkit/ami_lengths.json, token for token
+    (the counts and data.ChatFormatter's rule at --max-length 2048 give every kept example's tokens and targets)."""
     import json
     import runpy
 
     from conftest import ROOT
 
+    from ftkit.plan import layouts
+
     module = runpy.run_path(str(ROOT / "assets" / "packing_layout.py"))
-    result = module["main"]()
+    result, encoded = module["main"]()
+    assert [(len(e.input_ids), e.n_target) for e in encoded] == list(layouts.ami_examples(2048, models.QWEN3))
     assert json.loads(module["OUT"].read_text()) == result
     assert module["table"](result) in (ROOT / "devlogs" / "single-gpu-ft.md").read_text()
     reference = next(r for r in result["rows"] if r["micro_batch_size"] == 2)
+    devlog = " ".join((ROOT / "devlogs" / "single-gpu-ft.md").read_text().split())
+    for said in (
+        f"tokenized with Qwen3's own tokenizer (median example {result['examples']['median_tokens']:,.0f} tokens",
+        f"the packed layout pads {reference['packed']['median_padding_fraction']:.1%} of its positions",
+        f"the positions the padded layout computes ({reference['padded']['median_padding_fraction']:.1%} padding)",
+    ):
+        assert said in devlog, said
     assert reference["packed"]["median_padding_fraction"] <= 0.05
     assert reference["packed"]["median_micro_steps"] * 2 <= reference["padded"]["median_micro_steps"]
 

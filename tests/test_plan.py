@@ -303,14 +303,16 @@ def h100_prediction(run: str) -> tuple[list[dict], dict]:
         host="h100-vm",
         steps=summary["steps_run"],
         ops_source=H100_RUNS[run],
+        tokenizer="tiny",  # what those runs tokenized (qwen3-4b-shape's before issue 42)
     )
     steps = [timing.step_time(s, "single", {}, c["quant"], st) for st in layouts.layout_steps(s, 1)]
     return steps, summary
 
 
 def test_the_ami_lengths_give_the_h100_runs_batches_step_by_step():
-    """ftkit/ami_lengths.json through data.GlobalBatches gives each committed run's global batches: the real tokens
-    of every step are the ones its metrics.jsonl recorded."""
+    """ftkit/ami_lengths-tiny.json (the tiny tokenizer's counts, which those runs tokenized) through
+    data.GlobalBatches gives each committed run's global batches: the real tokens of every step are the ones its
+    metrics.jsonl recorded."""
     for run in H100_RUNS:
         steps, _ = h100_prediction(run)
         assert [p["tokens"] for p in steps] == [r["tokens"] for r in metrics_rows(run)], run
@@ -354,7 +356,7 @@ def test_the_host_calibration_is_the_committed_h100_files():
     ops = 8 * hosts.H100_OPS_PER_MICRO["h100-session2", "none"] + hosts.H100_OPS_PER_STEP["h100-session2"]
     host = hosts.HOSTS["h100-vm"]
     assert host["op_s"] == pytest.approx(step2["step_time_s"] / ops, rel=1e-12)
-    s = setting(gpus=1, layout="masked", steps=2)
+    s = setting(gpus=1, layout="masked", steps=2, tokenizer="tiny")
     step = layouts.layout_steps(s, 1)[1]
     assert (step.tokens, step.positions, len(step.micros)) == (28298, 28584, 8)
     assert sum(timing.micro_flops(s, m) for m in step.micros) == hosts.H100_STEP2_FLOPS
@@ -464,3 +466,75 @@ def test_the_devlogs_host_tables_are_what_the_planner_gives():
     tables = runpy.run_path(str(ROOT / "assets" / "host_ops.py"))["host_tables"]()
     devlog = (ROOT / "devlogs" / "plan-cpu-check.md").read_text()
     assert devlog.split("<!-- host-tables:begin -->\n", 1)[1].split("<!-- host-tables:end -->", 1)[0] == tables
+
+
+def test_the_docs_predictions_on_the_ami_layouts_are_the_planners_in_qwen3s_tokens(capsys):
+    """What the devlogs, ftkit's README and the README say the planner predicts on the AMI layouts (the examples in
+    Qwen3's tokens, and where they compare, the tiny tokenizer's, which the planner counted before issue 42)."""
+    import runpy
+
+    from ftkit.memory import GIB
+
+    h100 = runpy.run_path(str(ROOT / "assets" / "host_ops.py"))["h100_setting"]
+
+    def single(**kw) -> dict:
+        return techniques.evaluate(h100(**kw), "single", {}, "none")
+
+    def planned(*flags: str) -> dict:
+        return row(main([*flags, "--host", "h100-vm", "--layout", "packed", "--compile", "--json"]), "single-gpu-ft",
+                   quant="none")  # fmt: skip
+
+    def says(page: str, *quoted: str) -> None:
+        text = " ".join((ROOT / page).read_text().split())
+        for q in quoted:
+            assert q in text, (page, q)
+
+    padded, packed = single(layout="padded"), single(layout="packed")
+    compiled, at40 = single(layout="packed", compile=True), single(layout="packed", compile=True, mfu=0.4)
+    before = {k: single(layout=k, compile=k == "packed", tokenizer="tiny") for k in ("padded", "packed")}
+    mean = statistics.mean(len(step.micros) for step in layouts.layout_steps(h100(layout="packed"), 1))
+    tps = [f"{r['tokens_per_s']:,.0f}" for r in (padded, packed, compiled, at40)]
+    ops = [f"{r['host_ops_per_1000_tokens']:,.0f}" for r in (padded, packed, compiled)]
+    says(
+        "devlogs/plan-cpu-check.md",
+        f"(8 to 4; mean {mean:.1f})",
+        f"leave {packed['padding_fraction']:.1%}, against {padded['padding_fraction']:.1%} padded",
+        f"{packed['tokens_per_s'] / padded['tokens_per_s']:.2f}x the padded tokens/s",
+        f"{compiled['tokens_per_s'] / padded['tokens_per_s']:.1f}x the padded eager tokens/s",
+        f"{ops[0]} ops padded eager, {ops[1]} packed eager and launches {ops[2]} packed compiled",
+        f"at an assumed 40% the same step gives {tps[3]} tokens/s",
+    )
+    moved = [
+        f"{before[k]['tokens_per_s']:,.0f} to {r['tokens_per_s']:,.0f}"
+        for k, r in (("packed", compiled), ("padded", padded))
+    ]
+    says(
+        "devlogs/single-gpu-ft.md",
+        f"padded eager today {tps[0]} tokens/s, packed eager {tps[1]} (host-bound",
+        f"packed with compiled layers {tps[2]} (GPU-bound at the eager kernels' 20.7%; {tps[3]} at an assumed 40%)",
+        f"moved from {moved[0]} tokens/s and padded eager from {moved[1]} (predictions)",
+    )
+    says("ftkit/README.md", f"{tps[0]} tokens/s padded eager, {tps[1]} packed eager and {tps[2]} packed and compiled")
+    # the micro-batch sizes on a 24 GB card, in both tokenizers' tokens
+    card = ["--gpus", "1", "--gpu", "rtx4090"]
+    q, t = (
+        [
+            f"{planned(*card, '--micro-batch-size', str(m), '--tokenizer', tok)['tokens_per_s']:,.0f}"
+            for m in (1, 2, 4, 8)
+        ]
+        for tok in ("qwen3", "tiny")
+    )
+    says(
+        "devlogs/single-gpu-ft.md",
+        f"{q[0]}, {q[1]}, {q[2]} and {q[3]} tokens/s (the AMI examples in Qwen3's tokens; {t[0]}, {t[1]}, {t[2]} and "
+        f"{t[3]} in the tiny tokenizer's",
+    )
+    # the README's alternative --max-length
+    at = {n: planned("--gpus", "1", "--max-length", str(n)) for n in (2048, 4096)}
+    need = [f"{at[n]['required_bytes'] / GIB:.1f}" for n in (4096, 2048)]
+    says(
+        "README.md",
+        f"at {need[0]} GiB with its margin instead of {need[1]}, and {at[4096]['tokens_per_s']:,.0f} tokens/s instead "
+        f"of {at[2048]['tokens_per_s']:,.0f}",
+    )
+    capsys.readouterr()

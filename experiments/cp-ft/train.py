@@ -1,6 +1,6 @@
 """Context parallel LoRA: finetune Qwen3-4B on whole meetings, each sequence split along its length over GPUs.
 
-A whole AMI meeting's transcript runs up to 15k words (20.6k tokens of the tiny tokenizer), and at Qwen3-4B's 32k
+A whole AMI meeting's transcript runs up to 15k words (20.5k of Qwen3's tokens), and at Qwen3-4B's 32k
 context one sequence's activations no longer fit a 24 GB card beside a bf16 base. Context parallelism (CP) cuts
 every sequence into 2 x --cp chunks, and rank r holds chunks r and 2cp-1-r, so that every rank has as much causal
 attention to compute (Llama 3, Dubey et al. 2024, arXiv 2407.21783, Sec. 3.3.2; the imbalance of contiguous
@@ -58,7 +58,7 @@ from ftkit.profiling import StepProfiler
 
 # The reference configuration of this experiment: whole meetings, one per micro-batch, at Qwen3-4B's 32k context.
 REAL = dict(task="meetings", max_length=32768, micro_batch_size=1, batch_size=8)
-# The walkthrough: the tiny tokenizer's whole meetings are 1.7k-21k tokens; 4,096 keeps the nine shortest.
+# The walkthrough: the tiny tokenizer's whole-meeting examples are 1.7k-21k tokens; 4,096 keeps the 11 shortest.
 SMOKE = dict(task="meetings", max_length=4096, micro_batch_size=1, batch_size=2)
 EAGER_BECAUSE = "cp-ft's attention calls collectives inside a hand-written autograd Function (gather_kv)"
 TRAP = (

@@ -13,7 +13,7 @@ import json
 from ftkit import errors, hardware, models
 from ftkit.memory import GIB
 from ftkit.plan.hosts import ASSUMED_MFU, HOSTS
-from ftkit.plan.layouts import LAYOUTS
+from ftkit.plan.layouts import AMI_LENGTHS, LAYOUTS
 from ftkit.plan.recommendation import label, mesh_label, plan
 from ftkit.plan.settings import QWEN3_CONFIGS, Setting, model_config
 
@@ -94,6 +94,13 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--host-op-us", type=float, default=None, help="microseconds per host op [--host's calibration]")
     p.add_argument("--seed", type=int, default=0, help="the global batches' seed, for the AMI layouts")
+    p.add_argument(
+        "--tokenizer",
+        choices=list(AMI_LENGTHS),
+        default=models.QWEN3,
+        help="whose token counts the AMI layouts use: qwen3 (Qwen3's own, a Qwen3-4B run's) or tiny (what the "
+        "committed H100 runs tokenized)",
+    )
     p.add_argument("--link-efficiency", type=float, default=0.8, help="assumed fraction of a link's bandwidth")
     p.add_argument("--reserve-gib", type=float, default=1.0, help="CUDA context and NCCL buffers, assumed")
     p.add_argument("--json", action="store_true")
@@ -132,6 +139,7 @@ def setting_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> Settin
         host=args.host,
         host_op_s=None if args.host_op_us is None else args.host_op_us * 1e-6,
         seed=args.seed,
+        tokenizer=args.tokenizer,
     )
 
 

@@ -18,52 +18,46 @@ from ftkit.plan.settings import Setting
 # fullest (batching.packed_width), each rank the same number of micro-steps; "masked", "padded" as the scripts ran it
 # until issue 30, the padding mask passed (the H100 runs).
 LAYOUTS = ("full", "padded", "packed", "masked")
-# The AMI training examples' token counts (the tiny tokenizer the qwen3-4b-shape runs use; Qwen3's own is not
-# available offline): written by `write_ami_lengths`, the rest of a prompt and its transcript apart, so that the
-# length at any --max-length follows data.ChatFormatter's rule.
-AMI_LENGTHS = Path(__file__).parents[1] / "ami_lengths.json"
+# The AMI training examples' token counts, per tokenizer: Qwen3's own (`qwen3`: what a Qwen3-4B run, and since issue 42
+# a qwen3-4b-shape run, tokenizes; the planner's default) and the tiny tokenizer's (`tiny`: what the committed H100
+# runs tokenized, as qwen3-4b-shape did before issue 42, so their batches are rebuilt from it). Written by
+# assets/ami_lengths.py; per training example, in the training set's order, the tokens of its prompt and answer without
+# the transcript, of its whole transcript, of its answer (with <|im_end|>: the targets), and whether its transcript may
+# be cut: the rest of a prompt and its transcript apart, so that the length at any --max-length follows
+# data.ChatFormatter's rule (`fit`).
+AMI_LENGTHS = {
+    models.QWEN3: Path(__file__).parents[1] / "ami_lengths.json",
+    models.TINY: Path(__file__).parents[1] / "ami_lengths-tiny.json",
+}
 
 
-def write_ami_lengths(path: Path = AMI_LENGTHS) -> None:
-    """AMI_LENGTHS from the shipped data: per training example, in the training set's order, the tokens of its prompt
-    and answer without the transcript, of its whole transcript, of its answer (with <|im_end|>: the targets), and
-    whether its transcript may be cut.
-    `uv run python -c "from ftkit.plan import layouts; layouts.write_ami_lengths()"`."""
-    splits = data.load_splits(data.SHIPPED)
-    tokenizer = models.load_tokenizer(models.QWEN3_4B_SHAPE, data.corpus(splits["train"]))
-    formatter = data.ChatFormatter(tokenizer, max_length=0)
+def length_row(formatter: data.ChatFormatter, count, ex: data.Example) -> list[int]:
+    """One example's row of AMI_LENGTHS; `count(text)` is its number of tokens."""
+    before, after = formatter.prompt_parts(ex.query)
+    answer = count(ex.answer) + 1
+    return [len(before) + len(after) + answer, count(ex.transcript), answer, int(ex.trimmable)]
 
-    def n(text: str) -> int:
-        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    rows = []
-    for ex in splits["train"]:
-        before, after = formatter.prompt_parts(ex.query)
-        answer = n(ex.answer) + 1
-        rows.append([len(before) + len(after) + answer, n(ex.transcript), answer, int(ex.trimmable)])
-    text = json.dumps(
-        {
-            "data": data.SHIPPED,
-            "split": "train",
-            "tokenizer": f"tiny (byte-level BPE, {len(tokenizer)} tokens; models.load_tokenizer('qwen3-4b-shape'))",
-            "fields": ["prompt and answer without the transcript", "transcript", "answer with <|im_end|>", "trimmable"],
-            "examples": rows,
-        }
-    )
-    path.write_text(text.replace("], [", "],\n[") + "\n")
+def fit(row, max_length: int) -> tuple[int, int, bool] | None:
+    """(tokens, target tokens, whether its transcript was cut) of an AMI_LENGTHS row as data.ChatFormatter encodes it
+    at `max_length`; None where it drops the example (the transcript may not be cut, or no 32 tokens of it fit)."""
+    fixed, transcript, answer, trimmable = row
+    budget = max_length - fixed
+    if budget < min(data.MIN_TRANSCRIPT_TOKENS, transcript) or (transcript > budget and not trimmable):
+        return None
+    return fixed + min(transcript, budget), answer, transcript > budget
 
 
 @functools.cache
-def ami_examples(max_length: int) -> tuple[tuple[int, int], ...]:
-    """(tokens, target tokens) of each AMI training example data.ChatFormatter keeps at `max_length`, in order: the
-    transcript cut to fit where it may be, the example dropped where it may not or where no 32 tokens of it fit."""
-    out = []
-    for fixed, transcript, answer, trimmable in json.loads(AMI_LENGTHS.read_text())["examples"]:
-        budget = max_length - fixed
-        if budget < min(data.MIN_TRANSCRIPT_TOKENS, transcript) or (transcript > budget and not trimmable):
-            continue
-        out.append((fixed + min(transcript, budget), answer))
-    return tuple(out)
+def ami_rows(tokenizer: str = models.QWEN3) -> tuple[tuple[int, ...], ...]:
+    """AMI_LENGTHS[tokenizer]'s rows."""
+    return tuple(map(tuple, json.loads(AMI_LENGTHS[tokenizer].read_text())["examples"]))
+
+
+@functools.cache
+def ami_examples(max_length: int, tokenizer: str = models.QWEN3) -> tuple[tuple[int, int], ...]:
+    """(tokens, target tokens) of each AMI training example data.ChatFormatter keeps at `max_length`, in order."""
+    return tuple(kept[:2] for row in ami_rows(tokenizer) if (kept := fit(row, max_length)) is not None)
 
 
 @dataclass(frozen=True)
@@ -97,7 +91,7 @@ def layout_steps(s: Setting, dp: int) -> list[Step]:
     if s.layout == "full":
         micro = Micro(m, length, m * length)  # the convention's lm_head at every token
         return [Step((micro,) * accum, s.batch_size * length, s.batch_size * length)]
-    examples = ami_examples(length)
+    examples = ami_examples(length, s.tokenizer)
     lengths = [n for n, _ in examples]
     pack_to = length if s.layout == "packed" else None
     batches = batching.GlobalBatches([_Example(n) for n in lengths], s.batch_size, s.seed, pack_to=pack_to)

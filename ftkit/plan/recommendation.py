@@ -89,7 +89,7 @@ def plan(s: Setting) -> dict:
         "recommendation": recommend(rows, s),
     }
     if not s.legacy:
-        result["setting"].update(layout=s.layout, compile=s.compile, host=s.host, seed=s.seed)
+        result["setting"].update(layout=s.layout, compile=s.compile, host=s.host, seed=s.seed, tokenizer=s.tokenizer)
         result["assumptions"].update(host_op_s=op_s, nf4_pass_s=NF4_PASS_S if op_s else 0.0)
         result["prediction"] = prediction_notes(s, rows)
     return result
@@ -103,7 +103,7 @@ def prediction_notes(s: Setting, rows: list[dict]) -> list[str]:
     notes = ["PREDICTED by ftkit.plan: a model, not a measurement"]
     layout = {
         "full": "every row --max-length real tokens (an upper bound on the work; no padding)",
-        "padded": "the AMI training examples (AMI_LENGTHS: the tiny tokenizer's counts) in the scripts' "
+        "padded": "the AMI training examples (AMI_LENGTHS) in the scripts' "
         f"length-grouped global batches (seed {s.seed}), one example per row, each micro-batch right-padded to its "
         "longest (--no-packing)",
         "packed": f"the same global batches packed first-fit decreasing into rows of up to {s.max_length} (data.pack), "
@@ -111,7 +111,9 @@ def prediction_notes(s: Setting, rows: list[dict]) -> list[str]:
         "micro-steps; the attention kernel computes each whole row (SDPA with the block-diagonal mask)",
         "masked": "padded as the scripts ran it until issue 30, the padding mask passed (the committed H100 runs)",
     }[s.layout]
-    notes.append(f"layout: {layout}" + (f"; step time: the median of {steps} steps" if s.layout != "full" else ""))
+    if s.layout != "full":
+        layout += f"; the examples in the {s.tokenizer} tokenizer's tokens; step time: the median of {steps} steps"
+    notes.append(f"layout: {layout}")
     if op_s:
         compiled = (
             "; the decoder layers compiled: the compiled graphs' kernels and extern ops, counted on a CPU's inductor "

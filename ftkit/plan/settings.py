@@ -70,6 +70,7 @@ class Setting:
     host: str | None = None  # a calibrated host (HOSTS), or None: the host is not modelled (its cost 0)
     host_op_s: float | None = None  # seconds per op on the host [the host's calibration]
     seed: int = 0  # the global batches' seed (the scripts' --seed), for the AMI layouts
+    tokenizer: str = models.QWEN3  # whose token counts the AMI layouts use (layouts.AMI_LENGTHS): qwen3 or tiny
     steps: int | None = None  # optimizer steps predicted with the AMI layouts [one epoch]
     ops_source: str = "tree"  # whose op counts: "tree" (this code), "h100-session1" or "-session2" (the H100 runs')
 

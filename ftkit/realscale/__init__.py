@@ -78,7 +78,9 @@ LABEL = (
     "tracked on fake tensors at Qwen3-4B's shape; excludes the CUDA context, NCCL buffers and allocator fragmentation"
 )
 # The answer positions per sequence of the synthetic batch (the lm_head runs on those only): the most the
-# committed H100 runs on AMI met in a micro-batch was 200 (devlogs/runs/single-gpu-ft-gpu/memory-check-*.md).
+# committed H100 runs on AMI met in a micro-batch was 200 (devlogs/runs/single-gpu-ft-gpu/memory-check-*.md, padded
+# rows, the tiny tokenizer's tokens); AMI's longest answer is 208 of Qwen3's tokens with its <|im_end|>
+# (ftkit/ami_lengths.json), and a packed row of several examples at 2,048 holds up to 446 (tests/test_ami_lengths.py).
 ANSWER_TOKENS = 256
 
 
