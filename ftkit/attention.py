@@ -9,8 +9,8 @@ example attends to another on any of them, and nothing in the forward asks the G
   as `VARLEN` (`varlen_attention`); padded rows, which carry no `cu_seq_lens`, take SDPA's causal kernel there.
 - SDPA (CPU, or a GPU with no varlen kernel): a block-diagonal causal mask, built on the device from `cu_seq_lens`,
   for micro-batches that pack two examples or more into a row; a micro-batch of one example per row gets no mask
-  at all (`is_causal`: SDPA's flash kernel on CUDA). Eager and flex attention (the boundary tests) have no causal
-  flag: they always get a mask, causal per row where the rows are not packed.
+  at all (`is_causal`: SDPA's flash kernel on CUDA). Eager attention (the boundary tests) has no causal flag: it
+  always gets a mask, causal per row where the rows are not packed.
 
 `model_inputs` passes the mask (or none) to the model as a mapping, `{layer type: mask}`, which transformers takes
 as prepared: it then never runs `masking_utils.find_packed_sequence_indices`, whose `.all()` is a host sync.
@@ -102,7 +102,6 @@ def kernels(implementation: str) -> dict[str, str]:
     mask = {
         "sdpa": "sdpa, block-diagonal bool mask",
         "eager": "eager, block-diagonal additive mask",
-        "flex_attention": "flex_attention, block-diagonal BlockMask",
     }
     if implementation not in mask:  # a technique's own (cp-ft's cp_attention): it lays its rows out itself
         return {"packed": implementation, "padded": implementation}
@@ -123,7 +122,7 @@ def model_inputs(mb: dict, config) -> dict:
         inputs["cu_seq_lens_q"] = inputs["cu_seq_lens_k"] = mb["cu_seq_lens"]
     elif mb.get("packed"):
         mask = block_causal_mask(mb["cu_seq_lens"], rows, width, implementation)
-    elif implementation in ("eager", "flex_attention"):  # no is_causal of their own: a mask makes them causal
+    elif implementation == "eager":  # no is_causal of its own: a mask makes it causal
         whole_rows = torch.arange(0, rows * width + 1, width, dtype=torch.int32, device=mb["input_ids"].device)
         mask = block_causal_mask(whole_rows, rows, width, implementation)
     inputs["attention_mask"] = {kind: mask for kind in set(getattr(config, "layer_types", None) or ["full_attention"])}
@@ -133,17 +132,10 @@ def model_inputs(mb: dict, config) -> dict:
 def block_causal_mask(cu_seq_lens: torch.Tensor, rows: int, width: int, implementation: str):
     """The block-diagonal causal mask of packed rows, from the segments' cumulative lengths, on their device: a
     position attends to the ones before it in its own segment. SDPA takes it as bool [rows, 1, width, width] (True:
-    attend), eager as an additive float mask, flex attention as a BlockMask."""
+    attend), eager as an additive float mask."""
     device = cu_seq_lens.device
     flat = torch.arange(rows * width, device=device, dtype=cu_seq_lens.dtype)
     segment = torch.searchsorted(cu_seq_lens[1:], flat, right=True).view(rows, width)
-    if implementation == "flex_attention":
-        from torch.nn.attention.flex_attention import create_block_mask
-
-        def same_segment_causal(b, h, q, kv):
-            return (segment[b, q] == segment[b, kv]) & (q >= kv)
-
-        return create_block_mask(same_segment_causal, rows, None, width, width, device=device)
     causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
     mask = (segment[:, None, :, None] == segment[:, None, None, :]) & causal
     if implementation == "eager":

@@ -52,10 +52,11 @@ def reference_varlen(q, k, v, cu, max_len, scale, dropout):
     return out.transpose(0, 1)
 
 
-@pytest.mark.parametrize("attn", ["eager", "sdpa", "flex_attention"])
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_no_example_attends_to_another(attn):
-    """Row 0 packs examples A and B; changing A's tokens changes neither B's loss nor B's logits, on every kernel
-    that runs on a CPU (flex attention through transformers' compiled flex kernel)."""
+    """Row 0 packs examples A and B; changing A's tokens changes neither B's loss nor B's logits, on the kernels
+    that run on a CPU without compiling (flex attention runs too, but compiles its kernel by inductor in every
+    process, 30-60 s here, and no script chooses it)."""
     a, b, c = example(1, 40, 10), example(2, 30, 8), example(3, 60, 12)
     other_a = example(4, 40, 10)
     model = tiny(attn)
