@@ -69,17 +69,23 @@ def varlen_attention(module, query, key, value, attention_mask, dropout=0.0, sca
     """transformers' attention-interface signature (query [rows, heads, width, dim], key and value at the KV heads;
     returns [rows, width, heads, dim]). With `cu_seq_lens_q` (a packed micro-batch) the rows are flattened and each
     segment attends causally to itself alone; without (padded rows, an eval, a pipeline stage), SDPA as transformers
-    runs it. The kernels take the longest segment only to size their grid: the row width bounds it, and is a dynamic
-    size under torch.compile, where a Python int would be a constant that recompiles the layer at every new value."""
+    runs it. The kernels take the longest segment only to size their grid (one block of queries per segment and
+    tile of that length): `max_length_q`, the longest an example may be (`batching.collate_packed`'s
+    `max_segment`: the same int every micro-batch, so a compiled layer sees one constant and compares it with
+    nothing, where a comparison with the width would guard and recompile), else the row width (a dynamic size under
+    torch.compile). A row of --micro-batch-tokens 16384 holding examples of at most 2048 sized by its width would
+    launch 8x the blocks, seven in eight idle."""
     cu_seq_lens = kwargs.pop("cu_seq_lens_q", None)
     kwargs.pop("cu_seq_lens_k", None)
+    max_segment = kwargs.pop("max_length_q", None)
+    kwargs.pop("max_length_k", None)
     if cu_seq_lens is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
     rows, heads, width, dim = query.shape
     q, k, v = (t.transpose(1, 2).reshape(rows * width, t.shape[1], dim) for t in (query, key, value))
-    out = _kernel(q, k, v, cu_seq_lens, width, scaling, dropout)
+    out = _kernel(q, k, v, cu_seq_lens, max_segment or width, scaling, dropout)
     return out.view(rows, width, heads, dim), None
 
 
@@ -120,6 +126,8 @@ def model_inputs(mb: dict, config) -> dict:
     mask = None
     if implementation == VARLEN and "cu_seq_lens" in mb:
         inputs["cu_seq_lens_q"] = inputs["cu_seq_lens_k"] = mb["cu_seq_lens"]
+        if "max_segment" in mb:
+            inputs["max_length_q"] = inputs["max_length_k"] = mb["max_segment"]
     elif mb.get("packed"):
         mask = block_causal_mask(mb["cu_seq_lens"], rows, width, implementation)
     elif implementation == "eager":  # no is_causal of its own: a mask makes it causal

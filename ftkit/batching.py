@@ -27,19 +27,30 @@ class GlobalBatches:
     similar length (little padding) while the order stays random. The last partial batch of an epoch is
     dropped so every optimizer step sees exactly `batch_size` sequences.
 
-    `pack_to` (--max-length; None with --no-packing) lays each global batch out as packed rows of at most that many
-    positions, several examples per row (`pack`, `collate_packed`): the same examples and the same loss, fewer
-    micro-steps. A micro-batch is then `micro_batch_size` rows as wide as its fullest one (`packed_width`), and a
-    step has as many micro-steps as its rows need. Without it, a row is one example, right-padded to the
-    micro-batch's longest.
+    `pack_to` (--max-length, or --micro-batch-tokens; None with --no-packing) lays each global batch out as packed
+    rows of at most that many positions, several examples per row (`pack`, `collate_packed`): the same examples and
+    the same loss, fewer micro-steps. A micro-batch is then `micro_batch_size` rows as wide as its fullest one
+    (`packed_width`), and a step has as many micro-steps as its rows need: with --micro-batch-tokens N, one row of
+    up to N positions, so a step of T real tokens runs about T / N micro-steps. Without it, a row is one example,
+    right-padded to the micro-batch's longest.
+
+    `max_segment` (--max-length): the longest example, so the longest segment the varlen kernels are told of
+    (`collate_packed`).
     """
 
     def __init__(
-        self, data: Sequence[Encoded], batch_size: int, seed: int, group: int = 16, pack_to: int | None = None
+        self,
+        data: Sequence[Encoded],
+        batch_size: int,
+        seed: int,
+        group: int = 16,
+        pack_to: int | None = None,
+        max_segment: int | None = None,
     ):
         if len(data) < batch_size:
             raise DataError(f"only {len(data)} training examples for a global batch of {batch_size}")
         self.data, self.batch_size, self.seed, self.group, self.pack_to = data, batch_size, seed, group, pack_to
+        self.max_segment = max_segment or pack_to
         self.per_epoch = len(data) // batch_size
         self._epoch_cache: tuple[int, list[list[int]]] | None = None
 
@@ -86,7 +97,7 @@ class GlobalBatches:
             rows = self._micro_rows(step, micro_batch_size, rank, world)
             return [collate([self.data[i] for [i] in mb]) for mb in rows]
         return [
-            collate_packed([[self.data[i] for i in row] for row in rows], self._width(rows))
+            collate_packed([[self.data[i] for i in row] for row in rows], self._width(rows), self.max_segment)
             for rows in self._micro_rows(step, micro_batch_size, rank, world)
         ]
 
@@ -175,7 +186,9 @@ def packed_width(fills: Sequence[int], pack_to: int) -> int:
     return min(pack_to, max(1, -(-max(fills) // ROW_MULTIPLE)) * ROW_MULTIPLE)
 
 
-def collate_packed(rows: Sequence[Sequence[Encoded]], width: int, pad_id: int = 0) -> dict:
+def collate_packed(
+    rows: Sequence[Sequence[Encoded]], width: int, max_segment: int | None = None, pad_id: int = 0
+) -> dict:
     """Packed rows of `width` positions, several examples per row, as `collate` lays out one per row, with
     `position_ids` restarting at 0 at each example (RoPE sees each example at the positions it has alone) and the
     example boundaries worked out here, on the host, for the attention kernels (`attention.model_inputs`):
@@ -183,7 +196,10 @@ def collate_packed(rows: Sequence[Sequence[Encoded]], width: int, pad_id: int = 
     - `cu_seq_lens` (int32): the cumulative lengths of the segments of the rows flattened into one sequence, each
       example and each padding run its own segment (FlashAttention-2's varlen layout);
     - `packed`: whether some row holds two examples or more (else every row is plain causal: one example, then a
-      padding tail whose positions continue the example's, so no kernel needs a mask for it).
+      padding tail whose positions continue the example's, so no kernel needs a mask for it);
+    - `max_segment`, where given: a bound on every segment the varlen kernels may size their grid by (the longest an
+      example can be, the same for every micro-batch, so a compiled layer sees one constant); a padding run longer
+      than it is cut into segments of at most that many. Without it, the kernels take the row width.
 
     The loss positions are each example's own (`collate`'s), so no example's first token is trained to follow the
     previous one. An empty row (a rank's last micro-step topped up) is all padding and has no target.
@@ -195,6 +211,7 @@ def collate_packed(rows: Sequence[Sequence[Encoded]], width: int, pad_id: int = 
     positions: list[list[int]] = []
     targets_of: list[list[int]] = []
     cu_seq_lens = [0]
+    cap = min(width, max_segment or width)
     for r, row in enumerate(rows):
         start, pos, tgt = 0, [], []
         for e in row:
@@ -208,6 +225,7 @@ def collate_packed(rows: Sequence[Sequence[Encoded]], width: int, pad_id: int = 
             cu_seq_lens.append(r * width + start)
         last = len(row[-1].input_ids) if row else 0
         position_ids[r, start:] = torch.arange(last, last + width - start)  # the padding tail continues the last one
+        cu_seq_lens += range(r * width + start + cap, (r + 1) * width, cap)  # a long padding run, cut to `cap`
         if start < width:
             cu_seq_lens.append((r + 1) * width)
         positions.append(pos)
@@ -227,6 +245,7 @@ def collate_packed(rows: Sequence[Sequence[Encoded]], width: int, pad_id: int = 
         "lengths": [len(e.input_ids) for row in rows for e in row],
         "cu_seq_lens": torch.tensor(cu_seq_lens, dtype=torch.int32),
         "packed": any(len(row) > 1 for row in rows),
+        **({"max_segment": max_segment} if max_segment else {}),
     }
 
 
@@ -332,6 +351,7 @@ def token_loss_sum(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def global_batches(args: argparse.Namespace, train_set: list):
     """The run's global batches (`batching.GlobalBatches`, a function of --seed and the step): packed into rows of
-    --max-length, or one padded example per row with --no-packing."""
-
-    return GlobalBatches(train_set, args.batch_size, args.seed, pack_to=args.max_length if args.packing else None)
+    --max-length (of --micro-batch-tokens, one row per micro-batch, where given), or one padded example per row
+    with --no-packing."""
+    pack_to = (getattr(args, "micro_batch_tokens", None) or args.max_length) if args.packing else None
+    return GlobalBatches(train_set, args.batch_size, args.seed, pack_to=pack_to, max_segment=args.max_length)

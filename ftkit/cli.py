@@ -133,6 +133,15 @@ def _add_training(g: argparse._ArgumentGroup) -> None:
         "--no-packing one padded sequence per row, accumulation = batch / (micro x data-parallel ranks) [2; smoke: 2]",
     )
     g.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="micro-batches by tokens instead of rows: each micro-batch is one packed row of up to N positions "
+        "(examples still cut at --max-length; N >= --max-length), so a step runs as few micro-steps as its tokens "
+        "need; the global batch and the loss are unchanged [off]",
+    )
+    g.add_argument(
         "--no-packing",
         dest="packing",
         action="store_false",
@@ -271,6 +280,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     ):
         if getattr(args, key) <= 0:
             raise RunError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
+    check_micro_batch_tokens(args)
     if args.stop_after is not None and not 0 < args.stop_after <= args.max_steps:
         raise RunError(f"--stop-after must be in 1..--max-steps ({args.max_steps}), got {args.stop_after}")
     # Written so that NaN fails every check.
@@ -375,8 +385,35 @@ def torch_dtype(name: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[name]
 
 
+def check_micro_batch_tokens(args: argparse.Namespace) -> None:
+    """--micro-batch-tokens N: one packed row of N positions per micro-batch (`batching.global_batches`), so
+    --micro-batch-size becomes 1; refused where every example would not fit a row, beside a --micro-batch-size of
+    more than one row, or where the rows are not packed."""
+    tokens = getattr(args, "micro_batch_tokens", None)
+    if tokens is None:
+        return
+    if tokens < args.max_length:
+        raise RunError(
+            f"--micro-batch-tokens {tokens} is less than --max-length {args.max_length}: a micro-batch must hold any "
+            f"example; give at least {args.max_length}, or lower --max-length"
+        )
+    if "micro_batch_size" in getattr(args, "explicit_flags", ()) and args.micro_batch_size != 1:
+        raise RunError(
+            "--micro-batch-tokens and --micro-batch-size both size the micro-batch: give one of them "
+            f"(--micro-batch-tokens {tokens} is one row of {tokens} positions)"
+        )
+    if not args.packing:
+        raise RunError(
+            f"--micro-batch-tokens packs examples into rows, and {args.experiment} runs one padded example per row "
+            "(--no-packing, or its own layout): size its micro-batches with --micro-batch-size"
+        )
+    args.micro_batch_size = 1
+
+
 def padded_only(args: argparse.Namespace, why: str) -> None:
     """A technique that cannot pack yet: it runs the padded layout, says why once, and records it (`padded_why`)."""
+    if getattr(args, "micro_batch_tokens", None):
+        raise RunError(f"--micro-batch-tokens: {why}; size its micro-batches with --micro-batch-size")
     if args.packing:
         args.packing, args.padded_why = False, why
         ranks.print0(f"note: {why}")

@@ -414,7 +414,7 @@ def predicted_memory(config, args, technique: str, **setting) -> dict:
         lora_rank=args.lora_rank,
         lora_dropout=args.lora_dropout,
         micro_batch_size=args.micro_batch_size,
-        seq_len=args.max_length,
+        seq_len=getattr(args, "micro_batch_tokens", None) or args.max_length,  # a token budget: one row of that many
         grad_checkpointing=args.grad_checkpointing,
         **setting,
     ).as_dict()

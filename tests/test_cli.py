@@ -126,3 +126,20 @@ def test_qlora_without_bitsandbytes_is_refused_with_the_way_out(monkeypatch):
     with pytest.raises(errors.RunError, match="needs bitsandbytes.*--quant none"):
         cli.resolve(parser.parse_args(["--smoke"]))
     assert cli.resolve(parser.parse_args(["--smoke", "--quant", "none"])).quant == "none"
+
+
+def test_micro_batches_by_tokens_are_one_row_and_refused_where_they_cannot_hold(monkeypatch):
+    """--micro-batch-tokens N: one packed row of N positions per micro-batch (--micro-batch-size 1); refused below
+    --max-length, beside a --micro-batch-size of more rows, unpacked, and in pp-ft and cp-ft (padded rows)."""
+    assert resolve("--smoke", "--micro-batch-tokens", "2048").micro_batch_size == 1
+    for argv, said in [
+        (("--micro-batch-tokens", "256"), "less than --max-length 512"),
+        (("--micro-batch-tokens", "2048", "--micro-batch-size", "2"), "give one of them"),
+        (("--micro-batch-tokens", "2048", "--no-packing"), "one padded example per row"),
+    ]:
+        with pytest.raises(errors.RunError, match=said):
+            resolve("--smoke", *argv)
+    for script in ("pp-ft", "cp-ft"):
+        with pytest.raises(errors.RunError, match="--micro-batch-tokens"):
+            monkeypatch.setattr(sys, "argv", [script, "--smoke", "--micro-batch-tokens", "8192"])
+            runpy.run_path(str(parity.ROOT / "experiments" / script / "train.py"))["parse_args"]()

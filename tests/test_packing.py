@@ -8,6 +8,7 @@ several examples (the shipped spans are trimmed to --max-length, one per row, wh
 
 from __future__ import annotations
 
+import json
 import statistics
 
 import parity
@@ -43,7 +44,6 @@ def test_the_committed_layout_table_is_the_shipped_datas_and_meets_the_padding_b
     of its positions (issue 30's bar: micro-batches as wide as their fullest row, `packed_width`) in half the padded
     micro-steps. The examples it encodes are the ones the planner rebuilds from ftkit/ami_lengths.json, token for token
     (the counts and data.ChatFormatter's rule at --max-length 2048 give every kept example's tokens and targets)."""
-    import json
     import runpy
 
     from conftest import ROOT
@@ -115,6 +115,29 @@ def test_packed_micro_batches_cover_the_global_batch_with_as_many_micro_steps_on
         assert layout["padding_fraction"] == pytest.approx(1 - real / positions)
 
 
+def test_micro_batches_by_tokens_are_one_row_of_at_most_the_budget_each():
+    """--micro-batch-tokens N (`GlobalBatches(pack_to=N, max_segment=--max-length)`, one row per micro-batch): each
+    micro-batch holds at most N positions, together the global batch, in fewer micro-steps than rows of --max-length;
+    no segment the varlen kernels are told of is longer than --max-length, a long padding run cut to it."""
+    encoded = [example(20 + (7 * i) % 200, 5 + i % 13, i) for i in range(40)]
+    budget = batching.GlobalBatches(encoded, 16, seed=0, pack_to=1024, max_segment=256)
+    rows = batching.GlobalBatches(encoded, 16, seed=0, pack_to=256)
+    for step in range(3):
+        for world in (1, 2):
+            shards = [budget.micro_batches(step, 1, rank=r, world=world) for r in range(world)]
+            mbs = [mb for s in shards for mb in s]
+            assert all(mb["input_ids"].shape[0] == 1 and mb["input_ids"].shape[1] <= 1024 for mb in mbs)
+            assert sorted(n for mb in mbs for n in mb["lengths"]) == sorted(budget.lengths(step))
+            assert sum(int((mb["targets"] != IGNORE).sum()) for mb in mbs) == budget.n_target(step)
+            for mb in mbs:
+                cu = mb["cu_seq_lens"]
+                assert mb["max_segment"] == 256 and int((cu[1:] - cu[:-1]).max()) <= 256
+                assert int(cu[-1]) == mb["input_ids"].numel()
+        assert budget.micro_steps(step, 1) < rows.micro_steps(step, 2)
+    empty = batching.collate_packed([[], [example(10, 5, 0)]], width=640, max_segment=256)
+    assert empty["cu_seq_lens"].tolist() == [0, 256, 512, 640, 655, 911, 1167, 1280]
+
+
 @pytest.fixture(scope="module")
 def tiny():
     model = models.load_model("tiny", quant="none", dtype=torch.float32, device=torch.device("cpu"), seed=0)
@@ -181,6 +204,28 @@ def test_single_gpu_packed_equals_padded_with_fewer_micro_steps(reference, short
     assert statistics.median(p["padding_fraction"] for p in packed) < 0.5
 
 
+def test_single_gpu_by_tokens_takes_the_packed_step_in_fewer_micro_steps(reference, short_data_dir, tmp_path):
+    """--micro-batch-tokens 1024 (one row of up to 1,024 positions per micro-batch, examples of at most 512): the
+    same step as the packed reference (2 rows of up to 512), with fewer micro-steps where the examples are short."""
+    out = tmp_path / "tokens"
+    proc = run_script(
+        parity.REFERENCE, "--data", str(short_data_dir), *FLAGS, "--quant", "none", *BY_TOKENS,
+        "--output-dir", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert parity.compare_losses(reference, out) <= parity.LOSS_TOL
+    assert parity.compare_adapters(reference / "adapter", out / "adapter") <= parity.ADAPTER_TOL
+    rows, by_tokens = parity.metrics(reference), parity.metrics(out)
+    assert all(t["micro_batches"] <= r["micro_batches"] for t, r in zip(by_tokens, rows))
+    config = json.loads((out / "config.json").read_text())["args"]
+    assert config["micro_batch_tokens"] == 1024 and config["micro_batch_size"] == 1
+
+
+# The techniques' runs lay their micro-batches out by tokens: the packed reference's rows, regrouped, so the same
+# parity proves both layouts (the collator, the boundaries and the kernels are the same code for both).
+BY_TOKENS = ("--micro-batch-tokens", "1024")
+
+
 @pytest.mark.parametrize(
     "script, flags",
     [
@@ -191,10 +236,10 @@ def test_single_gpu_packed_equals_padded_with_fewer_micro_steps(reference, short
         ("experiments/fsdp-tp-ft/train.py", ("--mesh-shape", "1,2")),
     ],
 )
-def test_every_technique_packed_takes_the_single_process_packed_step(
+def test_every_technique_by_tokens_takes_the_single_process_packed_step(
     reference, short_data_dir, tmp_path, script, flags
 ):
-    run = parity.torchrun(script, "--data", str(short_data_dir), *FLAGS, *flags, "--output-dir",
+    run = parity.torchrun(script, "--data", str(short_data_dir), *FLAGS, *flags, *BY_TOKENS, "--output-dir",
                           str(tmp_path / "run"))  # fmt: skip
     assert run.returncode == 0, run.report()
     rows = parity.metrics(run.run_dir)

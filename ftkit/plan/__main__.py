@@ -64,6 +64,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--inter-node-link", default="ib-ndr", choices=list(hardware.LINKS))
     p.add_argument("--batch-size", type=int, default=16, help="global batch, sequences")
     p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument(
+        "--micro-batch-tokens",
+        type=int,
+        default=None,
+        help="one packed row of this many positions per micro-batch, as the scripts' flag (--layout packed)",
+    )
     p.add_argument("--max-length", type=int, default=2048)
     p.add_argument("--answer-tokens", type=int, default=256, help="positions the lm_head runs on, per sequence")
     p.add_argument("--lora-rank", type=int, default=16)
@@ -115,6 +121,8 @@ def setting_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> Settin
         )
     if args.compile and args.host and not args.grad_checkpointing:
         p.error("--compile --host: the compiled layers' launches are counted with checkpointing on only")
+    if args.micro_batch_tokens and (args.layout != "packed" or args.micro_batch_tokens < args.max_length):
+        p.error("--micro-batch-tokens: one packed row (--layout packed) of at least --max-length positions")
     if args.gpus < 1 or args.nodes < 1 or args.gpus % args.nodes:
         p.error(f"--gpus {args.gpus} must be a positive multiple of --nodes {args.nodes} (GPUs per node alike)")
     gpu = hardware.gpu(args.gpu)
@@ -133,6 +141,7 @@ def setting_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> Settin
         reserve_bytes=args.reserve_gib * GIB,
         **{k: getattr(args, k) for k in ("batch_size", "micro_batch_size", "max_length", "answer_tokens")},
         **{k: getattr(args, k) for k in ("lora_rank", "lora_dropout", "grad_checkpointing", "mfu")},
+        micro_batch_tokens=args.micro_batch_tokens,
         link_efficiency=args.link_efficiency,
         layout=args.layout,
         compile=args.compile,

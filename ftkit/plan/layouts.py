@@ -67,6 +67,7 @@ class Micro:
     rows: int
     width: int
     answers: int
+    segments: tuple[int, ...] = ()  # a token-budget row's examples: a varlen kernel's attention is over each alone
 
 
 @dataclass(frozen=True)
@@ -87,13 +88,17 @@ def layout_steps(s: Setting, dp: int) -> list[Step]:
     """The optimizer steps the layout gives, each as rank 0's micro-batches: the first `s.steps` (one epoch if None)
     of the scripts' global batches (batching.GlobalBatches at s.seed) for the AMI layouts, one step for "full"."""
     m, length = s.micro_batch_size, s.max_length
+    if s.micro_batch_tokens:  # one packed row of that many positions per micro-batch (cli.check_micro_batch_tokens)
+        if s.layout != "packed":
+            raise ValueError(f"--micro-batch-tokens packs rows: the packed layout, not {s.layout!r}")
+        m = 1
     accum = batching.accumulation_steps(s.batch_size, m, dp)
     if s.layout == "full":
         micro = Micro(m, length, m * length)  # the convention's lm_head at every token
         return [Step((micro,) * accum, s.batch_size * length, s.batch_size * length)]
     examples = ami_examples(length, s.tokenizer)
     lengths = [n for n, _ in examples]
-    pack_to = length if s.layout == "packed" else None
+    pack_to = (s.micro_batch_tokens or length) if s.layout == "packed" else None
     batches = batching.GlobalBatches([_Example(n) for n in lengths], s.batch_size, s.seed, pack_to=pack_to)
     out = []
     for step in range(batches.per_epoch if s.steps is None else s.steps):
@@ -104,8 +109,9 @@ def layout_steps(s: Setting, dp: int) -> list[Step]:
             micros = tuple(
                 Micro(
                     m,
-                    batching.packed_width([sum(lengths[i] for i in row) for row in p], length),
+                    batching.packed_width([sum(lengths[i] for i in row) for row in p], pack_to),
                     m * max(sum(examples[i][1] for i in row) for row in p),
+                    tuple(lengths[i] for row in p for i in row) if s.micro_batch_tokens else (),
                 )
                 for p in parts
             )

@@ -56,6 +56,7 @@ class Setting:
     memory_bytes: float
     batch_size: int = 16
     micro_batch_size: int = 2
+    micro_batch_tokens: int | None = None  # --micro-batch-tokens: one packed row of that many positions per micro-batch
     max_length: int = 2048
     answer_tokens: int = 256
     lora_rank: int = 16
@@ -92,6 +93,7 @@ class Setting:
 RUN_FLAGS = (
     "batch_size",
     "micro_batch_size",
+    "micro_batch_tokens",
     "max_length",
     "answer_tokens",
     "lora_rank",

@@ -66,8 +66,8 @@ def memory_bytes(s: Setting, technique: str, mesh: dict[str, int], quant: str, a
         lora_rank=s.lora_rank,
         lora_dropout=s.lora_dropout,
         logit_positions=s.answer_tokens,
-        micro_batch_size=s.micro_batch_size,
-        seq_len=s.max_length,
+        micro_batch_size=1 if s.micro_batch_tokens else s.micro_batch_size,
+        seq_len=s.micro_batch_tokens or s.max_length,
         grad_checkpointing=s.grad_checkpointing,
         num_microbatches=accum,
         accumulation_steps=accum,
@@ -91,7 +91,7 @@ def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> di
                 raise ValueError(CP_LAYOUT)
         if shape.layers % pp:
             raise ValueError(f"{pp} pipeline stages do not divide the model's {shape.layers} layers evenly")
-        accum = batching.accumulation_steps(s.batch_size, s.micro_batch_size, dp)
+        accum = batching.accumulation_steps(s.batch_size, 1 if s.micro_batch_tokens else s.micro_batch_size, dp)
     except (ValueError, errors.RunError, errors.DataError) as e:
         return {**row, "refused": str(e)}
     memory = memory_bytes(s, technique, mesh, quant, accum)

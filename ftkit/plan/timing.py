@@ -51,10 +51,14 @@ def micro_flops(s: Setting, m: Micro) -> float:
     shape, cfg = s.shape, s.config
     n_lora = lora_params(shape, s.lora_rank)
     flops = metrics.step_flops([m.width] * m.rows, cfg, n_lora, None if s.layout == "full" else m.answers)
+    d = shape.heads * shape.head_dim
+    # Attention's positions squared: each row's width, or with a token budget each example's (the varlen kernel
+    # attends within an example; a row of 16,384 positions counted whole would be 8x the attention of its examples).
+    squares = sum(n * n for n in m.segments) if m.segments else m.rows * m.width**2
+    flops += 6 * shape.layers * d * (squares - m.rows * m.width**2)
     if s.grad_checkpointing:  # the layers' forward again: 2 FLOPs per layer weight and adapter weight, attention
-        d = shape.heads * shape.head_dim
         layer_matmul = metrics.matmul_params(cfg) - shape.vocab * shape.hidden
-        flops += m.rows * m.width * (2 * layer_matmul + 2 * n_lora + 2 * shape.layers * d * m.width)
+        flops += m.rows * m.width * (2 * layer_matmul + 2 * n_lora) + 2 * shape.layers * d * squares
     return flops
 
 
