@@ -18,9 +18,11 @@ those directories' summary.json and metrics.jsonl alone, never from what the run
 - the pipeline bubble per rank from pp-ft's per-rank busy/idle times, and the bottleneck rank;
 - scaling efficiency: tokens/s / (ranks x the tokens/s of the single-process reference the experiment equals,
   single-gpu-ft with the run's --quant);
-- x HF (padded): tokens/s / the tokens/s of the same job through Hugging Face's own stack (assets/hf_baseline.py:
-  transformers' Trainer + PEFT, padded batches), which runs beside the experiments (--hf-collators: padded and
-  the padding-free flatten collator by default) and is what a user would run instead.
+- x HF (tuned): tokens/s / the tokens/s of the same job through Hugging Face's own stack at its best
+  (assets/hf_baseline.py --tuned: transformers' Trainer + PEFT with the per-device batch the memory model fits,
+  padding-free batches with a varlen attention, Liger kernels where installed, torch.compile on CUDA), which runs
+  beside the experiments with the stock Trainer's rows (--hf-configs: padded, flatten and tuned by default) and is
+  what a user would run instead; x HF (padded), against the stock padded row, where the runs have no tuned one.
 
 Then assets/benchmark.md (and assets/benchmark.png) says what it ran on and with which command.
 """
@@ -53,12 +55,13 @@ BASELINE = "single-gpu-ft"
 QUANT = {"ddp-ft": "nf4"}
 # Experiments that refuse one rank, with their reason (experiments/pp-ft/train.py says it and exits).
 NEEDS_TWO = {"pp-ft": "a pipeline needs at least 2 ranks"}
-# What a user would run instead: the same job through transformers' Trainer + PEFT, one process, with one of its
-# collators; "x HF (padded)" divides every configuration's tokens/s by the padded one's.
+# What a user would run instead: the same job through transformers' Trainer + PEFT, one process: stock with one of
+# its collators, or tuned (assets/hf_baseline.py --tuned); "x HF" divides every configuration's tokens/s by the tuned
+# one's, or by the stock padded one's where the runs have no tuned one (HF_REFERENCES, in that order).
 HF = "hf-baseline"
 HF_SCRIPT = "assets/hf_baseline.py"
-HF_COLLATORS = ("padded", "flatten")
-HF_REFERENCE = f"{HF}-padded-1rank"
+HF_CONFIGS = ("padded", "flatten", "tuned")
+HF_REFERENCES = {"tuned": f"{HF}-tuned-1rank", "padded": f"{HF}-padded-1rank"}
 
 
 @dataclass
@@ -67,11 +70,11 @@ class Run:
     ranks: int
     quant: str | None  # single-gpu-ft's --quant; the others run with their own default
     repeat: int
-    collator: str | None = None  # the Hugging Face baseline's --collator
+    hf: str | None = None  # the Hugging Face baseline's configuration: a stock collator, or tuned
 
     @property
     def config(self) -> str:
-        variant = self.quant or self.collator
+        variant = self.quant or self.hf
         return f"{self.experiment}{f'-{variant}' if variant else ''}-{self.ranks}rank"
 
     @property
@@ -89,10 +92,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma-separated; single-gpu-ft runs as the baseline of the others whether listed or not",
     )
     p.add_argument(
-        "--hf-collators",
-        default=",".join(HF_COLLATORS),
-        help=f"the Hugging Face baseline ({HF_SCRIPT}) with these collators, comma-separated; 'none' runs it not "
-        "(and leaves the x HF column empty)",
+        "--hf-configs",
+        "--hf-collators",  # its name before the tuned configuration
+        dest="hf_configs",
+        default=",".join(HF_CONFIGS),
+        help=f"the Hugging Face baseline ({HF_SCRIPT}) in these configurations, comma-separated: padded and flatten "
+        "(the stock Trainer with that --collator), tuned (--tuned); 'none' runs it not (and leaves the x HF column "
+        "empty)",
     )
     p.add_argument("--repeats", type=int, default=3, help="runs of each configuration")
     p.add_argument("--max-steps", type=int, default=None, help="steps per run [smoke: 6; GPU: 20]")
@@ -125,9 +131,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [e for e in args.experiments if e not in EXPERIMENTS]
     if unknown:
         p.error(f"unknown experiments {unknown}; known: {', '.join(EXPERIMENTS)}")
-    args.hf_collators = [] if args.hf_collators in ("none", "") else args.hf_collators.split(",")
-    if set(args.hf_collators) - set(HF_COLLATORS):
-        p.error(f"--hf-collators: {args.hf_collators}; known: {', '.join(HF_COLLATORS)} or none")
+    args.hf_configs = [] if args.hf_configs in ("none", "") else args.hf_configs.split(",")
+    if set(args.hf_configs) - set(HF_CONFIGS):
+        p.error(f"--hf-configs: {args.hf_configs}; known: {', '.join(HF_CONFIGS)} or none")
     if args.nproc < 2 or args.repeats < 1:
         p.error("--nproc must be at least 2 and --repeats at least 1")
     scale = cli.SMOKE if args.smoke else cli.REAL
@@ -148,7 +154,7 @@ def plan(args: argparse.Namespace) -> list[Run]:
     quants = {QUANT.get(e, "none") for e in others}
     if BASELINE in args.experiments or not others:
         quants = {"nf4", "none"}
-    configs = [(HF, 1, None, c) for c in args.hf_collators]
+    configs = [(HF, 1, None, c) for c in args.hf_configs]
     configs += [(BASELINE, 1, q, None) for q in sorted(quants)]
     for e in others:
         configs += [(e, n, None, None) for n in (1, args.nproc) if not (n == 1 and e in NEEDS_TWO)]
@@ -159,7 +165,7 @@ def command(r: Run, args: argparse.Namespace, uv: str) -> list[str]:
     """The README's launch line for this run, plus the common flags that make every run the same job."""
     script = f"experiments/{r.experiment}/train.py"
     if r.experiment == HF:
-        launcher = [uv, "run", "python", HF_SCRIPT, "--collator", r.collator]
+        launcher = [uv, "run", "python", HF_SCRIPT, *(["--tuned"] if r.hf == "tuned" else ["--collator", r.hf])]
     elif r.experiment == BASELINE:
         launcher = [uv, "run", "python", script, "--quant", r.quant]
     else:
@@ -167,7 +173,9 @@ def command(r: Run, args: argparse.Namespace, uv: str) -> list[str]:
         launcher = [uv, "run", "torchrun", "--standalone", f"--nproc_per_node={r.ranks}", script]
     flags = ["--smoke"] if args.smoke else []
     flags += ["--model", args.model, "--data", str(args.data), "--max-steps", str(args.max_steps)]
-    flags += ["--batch-size", str(args.batch_size), "--micro-batch-size", str(args.micro_batch_size)]
+    flags += ["--batch-size", str(args.batch_size)]
+    if r.hf != "tuned" or args.smoke:  # on GPUs the tuned Trainer fits its own per-device batch to the GPU
+        flags += ["--micro-batch-size", str(args.micro_batch_size)]
     flags += ["--max-length", str(args.max_length)]
     # One eval (after the last step, outside the step times) and no checkpoint: the steps are what is measured.
     flags += ["--eval-every", str(args.max_steps), "--save-every", str(args.max_steps + 1)]
@@ -239,11 +247,17 @@ def comm_theory(s: dict, key: str) -> tuple[float | None, str]:
 
 
 def label(s: dict) -> str:
-    """The experiment, and its mesh where it has one (the Hugging Face baseline: its collator)."""
+    """The experiment, and its mesh where it has one (the Hugging Face baseline: its collator, or tuned)."""
     if s["config"]["experiment"] == HF:
-        return f"{HF} ({s['collator']})"
+        return f"{HF} ({hf_variant(s)})"
     mesh = s.get("mesh")
     return s["config"]["experiment"] + (f" (dp {mesh['dp']} x tp {mesh['tp']})" if mesh else "")
+
+
+def hf_variant(s: dict) -> str:
+    """A Hugging Face baseline run's configuration: "tuned", or its stock collator (runs from before --tuned have
+    no `hf_config`: stock)."""
+    return "tuned" if s.get("hf_config") == "tuned" else s["collator"]
 
 
 def bubble(rows: list[dict]) -> tuple[list[float], list[float]]:
@@ -282,7 +296,10 @@ def report(
 ) -> str:  # fmt: skip
     tps = {c: statistics.median(data[n][0]["median_tokens_per_s"] for n in names) for c, names in configs.items()}
     baseline = {data[names[0]][0]["config"]["quant"]: tps[c] for c, names in configs.items() if c.startswith(BASELINE)}
-    hf = tps.get(HF_REFERENCE)
+    # x HF: against the tuned Trainer where the runs have one, else the stock padded one (None: no HF rows).
+    hf_ref = next((v for v, c in HF_REFERENCES.items() if c in tps), None)
+    hf = tps[HF_REFERENCES[hf_ref]] if hf_ref else None
+    x_hf = f"x HF ({hf_ref or 'tuned'})"
 
     summaries = [s for s, _ in data.values()]
     first = summaries[0]
@@ -325,7 +342,7 @@ def report(
         "",
         "## Throughput, memory, scaling",
         "",
-        "| experiment | quant | ranks | tokens/s, median (range) | x HF (padded) | step time s, median (range) | "
+        f"| experiment | quant | ranks | tokens/s, median (range) | {x_hf} | step time s, median (range) | "
         "every step s | scaling efficiency | peak memory, rank 0 | memory model | MFU | runs | load before |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -376,39 +393,67 @@ def report(
         "single steps.",
     ]
     if any(data[names[0]][0]["config"]["experiment"] == HF for names in configs.values()):
-        out += ["", hf_note(configs, data, gpu)]
+        out += ["", hf_note(configs, data, gpu, hf_ref)]
     out += ["", figure_note]
     out += comm_table(configs, data)
     out += bubble_table(configs, data)
     return "\n".join(out) + "\n"
 
 
-def hf_note(configs: dict[str, list[str]], data: dict, gpu: bool) -> str:
-    """What the `hf-baseline` rows are, what x HF (padded) means here, and how their step differs (from the first
-    run's summary.json of each)."""
+def hf_note(configs: dict[str, list[str]], data: dict, gpu: bool, ref: str | None) -> str:
+    """What the `hf-baseline` rows are (stock and tuned), what x HF means here (`ref`: the row it is taken against,
+    tuned, else padded), and how their step differs (from the first run's summary.json of each)."""
     hf = [data[names[0]][0] for names in configs.values() if data[names[0]][0]["config"]["experiment"] == HF]
-    trainer = hf[0]["trainer"]
-    where = (
+    stock = [s for s in hf if hf_variant(s) != "tuned"]
+    tuned = next((s for s in hf if hf_variant(s) == "tuned"), None)
+    out = []
+    if stock:
+        trainer = stock[0]["trainer"]
+        out.append(
+            f"`{HF}`: the same job through Hugging Face's own stack (`{HF_SCRIPT}`: transformers' `Trainer` + PEFT; "
+            "the same examples in the same order, the same LoRA initialisation; where a project script packs, it "
+            "counts its micro-batch in rows of the sequence length, several examples each). Stock, as most scripts "
+            f"run it: {stock[0]['attn_implementation']} attention, optim `{trainer['optim']}`, no compile, the global "
+            f"batch as {trainer['per_device_train_batch_size']} examples per forward x "
+            f"{trainer['gradient_accumulation_steps']} accumulation steps, with "
+            + " and ".join(f"`{s['collator_class']}` ({s['collator']})" for s in stock)
+            + "."
+        )
+    if tuned:
+        t = tuned["tuned"]
+        on = {True: "on", False: "off"}
+        out.append(
+            f"`{HF} (tuned)`: the Trainer at its best, as a practitioner on an 80 GB card sets it (`{HF_SCRIPT} "
+            f"--tuned`): {t['per_device_train_batch_size']} examples per forward x {t['gradient_accumulation_steps']} "
+            f"accumulation steps and activation checkpointing {on[t['activation_checkpointing']]} "
+            f"({t['why']['per_device_train_batch_size']}); padding-free, `{t['collator']}` with "
+            f"{t['attn_implementation']} attention; Liger kernels {on[t['use_liger_kernel']]} "
+            f"({t['why']['use_liger_kernel']}); torch.compile {on[t['torch_compile']]} ({t['why']['torch_compile']}). "
+            "Why each, in its summary.json (`tuned`)."
+        )
+    if ref == "tuned":
+        out.append(f"x HF (tuned) = a configuration's median tokens/s / `{HF} (tuned)`'s, in this one benchmark run.")
+    elif ref == "padded":
+        out.append(
+            f"No tuned Hugging Face run in this benchmark (one from before `--tuned`, or `--hf-configs` without it): "
+            f"x HF (padded) = a configuration's median tokens/s / the stock `{HF} (padded)`'s, in this one benchmark "
+            "run: the stock Trainer, not Hugging Face at its best."
+        )
+    else:
+        out.append("Neither a tuned nor a stock padded Hugging Face run in this benchmark: the x HF column is empty.")
+    out.append(
         "On GPUs this ratio is the headline: how much faster than what a user would run instead."
         if gpu
         else "**On CPU, with the tiny model, the ratio is measured but is no GPU figure**: the Trainer's extra work "
         "(logits at every position, a host check of every micro-step's loss) costs differently on a GPU, where "
         "the host and the kernels overlap, so this ratio says nothing about Qwen3-4B on GPUs."
     )
-    return (
-        f"`{HF}`: the same job through Hugging Face's own stack (`{HF_SCRIPT}`: transformers' `Trainer` + PEFT, "
-        f"{hf[0]['attn_implementation']} attention, optim `{trainer['optim']}`, no compile; the same examples in the "
-        "same order, the same LoRA initialisation, the global batch as "
-        f"{trainer['per_device_train_batch_size']} examples per forward x {trainer['gradient_accumulation_steps']} "
-        "accumulation steps, where a project script that packs counts its micro-batch in rows of the sequence "
-        "length, several examples each), with "
-        + " and ".join(f"`{s['collator_class']}` ({s['collator']})" for s in hf)
-        + f". x HF (padded) = a configuration's median tokens/s / `{HF} (padded)`'s, in this one benchmark run. "
-        + where
-        + " What the Trainer's step does differently, and how its step was timed from outside (a callback), is in "
+    out.append(
+        "What the Trainer's step does differently, and how its step was timed from outside (a callback), is in "
         "each run's summary.json (`differences`, `timing_note`); its memory is that of a step this project's memory "
         "model does not describe (`-`), and its scaling efficiency is not defined (`-`)."
     )
+    return " ".join(out)
 
 
 def comm_table(configs: dict[str, list[str]], data: dict) -> list[str]:
@@ -509,7 +554,7 @@ def figure(path: Path, configs: dict[str, list[str]], data: dict, title: str) ->
         hf_row = s["config"]["experiment"] == HF
         if s["config"]["experiment"] == BASELINE:
             baseline[quant] = statistics.median(tps)
-        variant = s["collator"] if hf_row else quant
+        variant = hf_variant(s) if hf_row else quant
         labels.append(f"{s['config']['experiment']}\n{ranks} rank{'s' if ranks > 1 else ''}, {variant}")
         med.append(statistics.median(tps))
         lo.append(med[-1] - min(tps))
@@ -552,7 +597,8 @@ def main(argv: list[str] | None = None) -> None:
         runs_dir, note = args.report.resolve(), args.note
         args = parse_args(argv)
         args.runs_dir, args.note = runs_dir, note or args.note
-        # The runs it launched: a benchmark from before the Hugging Face baseline (or --hf-collators none) has none.
+        # The runs it launched: a benchmark from before the Hugging Face baseline (or --hf-configs none) has none,
+        # one from before --tuned no tuned run.
         launched = {x["run"] for x in launches}
         runs = [r for r in plan(args) if r.name in launched]
     else:
