@@ -15,6 +15,7 @@ import torch
 from ftkit import models, ranks, rundir
 from ftkit.data import SHIPPED
 from ftkit.errors import RunError
+from ftkit.lora import checkpoint_every, checkpointed_layers  # noqa: F401  (--checkpointing's helpers, for ftkit.fit)
 from ftkit.profiling import parse_profile_steps
 
 # The AMI meetings the package ships, offline, for the real runs and the walkthrough alike.
@@ -142,6 +143,14 @@ def _add_training(g: argparse._ArgumentGroup) -> None:
         "need; the global batch and the loss are unchanged [off]",
     )
     g.add_argument(
+        "--fit",
+        choices=["auto", "off"],
+        default=None,
+        help="auto: choose --micro-batch-tokens and --checkpointing for this GPU from the memory model and the "
+        "planner (ftkit/fit.py), unless one of them (or --micro-batch-size) is given; printed and recorded "
+        "[on CUDA in bf16: auto; smoke: off]",
+    )
+    g.add_argument(
         "--no-packing",
         dest="packing",
         action="store_false",
@@ -172,11 +181,23 @@ def _add_training(g: argparse._ArgumentGroup) -> None:
         default=None,
         help="compute dtype [bf16; smoke: fp32, for exact parity between techniques]",
     )
+    _add_checkpointing(g)
+
+
+def _add_checkpointing(g: argparse._ArgumentGroup) -> None:
+    """Activation checkpointing, by decoder layer (`resolve_checkpointing`)."""
+    g.add_argument(
+        "--checkpointing",
+        default=None,
+        metavar="{all,none,every-K}",
+        help="activation checkpointing by decoder layer: all (recompute each layer in backward), none (keep every "
+        "layer's activations), every-K (layers 0, K, 2K, ...: less memory than none, less recompute than all) [all]",
+    )
     g.add_argument(
         "--no-grad-checkpointing",
         dest="grad_checkpointing",
         action="store_false",
-        help="keep all activations instead of recomputing each layer in backward",
+        help="keep all activations instead of recomputing each layer in backward: --checkpointing none",
     )
 
 
@@ -268,6 +289,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         args.data_revision = HUB_REVISIONS.get(args.data.partition(":")[0])
     if args.compile is None:  # compiled layers where the step's speed matters; the CPU walkthrough stays eager
         args.compile = not args.smoke
+    if args.fit is None:  # the GPU filled where the step's speed matters (ftkit/fit.py); the walkthrough as it is
+        args.fit = "off" if args.smoke or not torch.cuda.is_available() or args.experiment == "hf-baseline" else "auto"
     for key in (
         "max_steps",
         "max_length",
@@ -281,6 +304,7 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, key) <= 0:
             raise RunError(f"--{key.replace('_', '-')} must be positive, got {getattr(args, key)}")
     check_micro_batch_tokens(args)
+    resolve_checkpointing(args)
     if args.stop_after is not None and not 0 < args.stop_after <= args.max_steps:
         raise RunError(f"--stop-after must be in 1..--max-steps ({args.max_steps}), got {args.stop_after}")
     # Written so that NaN fails every check.
@@ -332,6 +356,26 @@ FSDP_NF4_EAGER_BECAUSE = (
 # compile_layers: tp-sp-ft and cp-ft (collectives inside hand-written autograd Functions), and assets/hf_baseline.py,
 # which never compiles.
 ALWAYS_EAGER = ("tp-sp-ft", "cp-ft", "hf-baseline")
+
+
+def resolve_checkpointing(args: argparse.Namespace) -> None:
+    """--checkpointing all|none|every-K (`lora.checkpoint_every`), checked; --no-grad-checkpointing is its old spelling
+    of none, and the two given at odds are refused. Sets `args.checkpointing` (the spec) and `args.grad_checkpointing`
+    (True where any layer is checkpointed). A run recorded before --checkpointing has grad_checkpointing only."""
+    given = set(getattr(args, "explicit_flags", ()))
+    spec = getattr(args, "checkpointing", None)
+    every = None if spec is None else checkpoint_every(spec)
+    if "grad_checkpointing" in given and not args.grad_checkpointing:
+        if "checkpointing" in given and every:
+            raise RunError(
+                f"--checkpointing {spec} and --no-grad-checkpointing disagree: --no-grad-checkpointing is the old "
+                "spelling of --checkpointing none; give one of them"
+            )
+        spec, every = "none", 0
+    elif spec is None:
+        spec, every = ("all", 1) if args.grad_checkpointing else ("none", 0)
+    args.checkpointing = {0: "none", 1: "all"}.get(every, f"every-{every}")
+    args.grad_checkpointing = every > 0
 
 
 def eager_because(args: argparse.Namespace) -> str | None:

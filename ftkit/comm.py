@@ -315,19 +315,31 @@ def fsdp_theory(
     return {"all_gather": micro_steps * gathered, "reduce_scatter": grad_bytes}
 
 
+def checkpointed_count(args, layers: int) -> int:
+    """How many of `layers` decoder layers the run checkpoints (--checkpointing: all, none, every-K from layer 0; a
+    run from before it, --grad-checkpointing's all or none): `lora.checkpointed_layers`' count, said here at the
+    bottom of the import order for the theories below. Layer 0 is among them whenever any is."""
+    spec = getattr(args, "checkpointing", None) or ("all" if args.grad_checkpointing else "none")
+    every = {"all": 1, "none": 0}.get(spec)
+    every = int(spec.removeprefix("every-")) if every is None else every
+    return -(-layers // every) if every else 0
+
+
 def tp_all_reduce_theory(config, args, rows: list[dict], tp: int, key: str = "comm") -> float:
     """Bytes per sampled step that tp-ft's LoRA-aware DTensor plan all-reduces (experiments/tp-ft; fsdp-tp-ft on
     its `tp` dimension), from each sampled step's activation bytes (rows with a `key` entry). Per micro-batch and
     layer: forward, o_proj's and down_proj's partial outputs and those of their lora_A (rank r: r/hidden of an
     activation); backward, the input gradients of the five column modules and their lora_B, less layer 0's q/k/v
-    (no gradient flows into the frozen embedding); checkpointing repeats the forward ones and makes the
-    embedding's output require grad (transformers' enable_input_require_grads), so layer 0's q/k/v send too.
+    (no gradient flows into the frozen embedding); checkpointing repeats a checkpointed layer's forward ones (each
+    layer's, or every K-th's) and makes the embedding's output require grad (transformers'
+    enable_input_require_grads), so layer 0's q/k/v send too.
     A TP group of one (`tp`) sends nothing: DTensor on a mesh of one redistributes nothing."""
     if tp == 1:
         return 0.0
-    layers, forward = config.num_hidden_layers, 2 * (2 if args.grad_checkpointing else 1)
-    backward = 5 * layers - (0 if args.grad_checkpointing else 3)
-    per_activation = forward * layers + backward + (forward * layers + 5 * layers) * args.lora_rank / config.hidden_size
+    layers = config.num_hidden_layers
+    forward = 2 * (layers + checkpointed_count(args, layers))  # a checkpointed layer's forward again
+    backward = 5 * layers - (0 if forward > 2 * layers else 3)
+    per_activation = forward + backward + (forward + 5 * layers) * args.lora_rank / config.hidden_size
     sampled = [r["activation_bytes"] for r in rows if key in r]
     return per_activation * sum(sampled) / max(1, len(sampled))
 
@@ -344,9 +356,11 @@ def tp_sp_collective_theory(config, args, rows: list[dict], replicated_bytes: in
     attention and (SP) the scatter into the sequence-parallel region send their backward too. SP also all-gathers
     the final norm's output for the lm_head. Plus one all-reduce of the replicated LoRA gradients
     (`replicated_bytes`)."""
-    layers, recompute = config.num_hidden_layers, int(args.grad_checkpointing)
-    entries_forward, entries_backward = 2 * layers * (1 + recompute), 2 * layers - 1 + recompute
-    exits_forward, exits_backward = 2 * layers + layers * recompute, 2 * layers
+    layers = config.num_hidden_layers
+    recomputed = checkpointed_count(args, layers)  # layers 0, K, 2K, ... (every-K); layer 0 whenever any
+    recompute = min(recomputed, 1)  # the embedding's output requires grad: layer 0's entry sends its backward
+    entries_forward, entries_backward = 2 * (layers + recomputed), 2 * layers - 1 + recompute
+    exits_forward, exits_backward = 2 * layers + recomputed, 2 * layers
     act = sum(r["activation_bytes"] for r in rows) / max(1, len(rows))
     if not args.sequence_parallel:
         return {"all_reduce": (exits_forward + entries_backward) * act + replicated_bytes}

@@ -22,3 +22,8 @@ class DataError(ValueError):
 
 class ModelError(ValueError):
     """The --model given cannot be had; the message says what is wrong and what to do."""
+
+
+# What the memory model predicted for the run's layout (set by `fit`): `ranks.launch` says it beside an out-of-memory
+# error, so a run that does not fit says which prediction was wrong, and by how much.
+memory_prediction: str | None = None

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ftkit import attention, models
+from ftkit.errors import RunError
 
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 # The same seven split for tensor parallelism (tp-ft, tp-sp-ft), as Megatron-LM splits them:
@@ -17,8 +18,27 @@ COLUMN_PARALLEL = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")  # outp
 ROW_PARALLEL = ("o_proj", "down_proj")  # input features split; each rank adds its partial sum into the reduction
 
 
-def freeze_base(model, grad_checkpointing: bool, reentrant: bool = False):
-    """Freeze every base weight and switch on activation checkpointing, for LoRA on a bf16 or a 4-bit base.
+def checkpoint_every(spec: str) -> int:
+    """--checkpointing's period: 0 for `none`, 1 for `all`, K for `every-K` (layers 0, K, 2K, ... checkpointed;
+    `every-1` is `all`). Any other spelling is a RunError that names the allowed forms."""
+    every = {"all": 1, "none": 0}.get(spec)
+    if every is None:
+        k = spec.removeprefix("every-") if isinstance(spec, str) else ""
+        every = int(k) if k.isdigit() and k == str(int(k)) else 0
+        if every < 1:
+            raise RunError(f"--checkpointing {spec!r}: give all, none or every-K (K an integer >= 1, e.g. every-2)")
+    return every
+
+
+def checkpointed_layers(spec: str, n_layers: int) -> list[bool]:
+    """Which of `n_layers` decoder layers --checkpointing `spec` recomputes in backward: layer i where K divides i."""
+    every = checkpoint_every(spec)
+    return [every > 0 and i % every == 0 for i in range(n_layers)]
+
+
+def freeze_base(model, checkpointing: bool | str, reentrant: bool = False):
+    """Freeze every base weight and switch on activation checkpointing (`checkpointing`: a --checkpointing spec,
+    all, none or every-K, or True/False for all/none), for LoRA on a bf16 or a 4-bit base.
 
     In place of peft's prepare_model_for_kbit_training, which casts every non-4-bit weight to fp32: the tied
     embedding / lm_head (151936 x 2560) among them, so that the residual stream, the logits and the step's
@@ -26,22 +46,31 @@ def freeze_base(model, grad_checkpointing: bool, reentrant: bool = False):
     variance in fp32, and the LoRA adapters' weights are fp32 (peft's default; see `adapters_compute_in`)."""
     for p in model.parameters():
         p.requires_grad_(False)
-    if grad_checkpointing:
-        checkpoint_activations(model, reentrant)
+    spec = {True: "all", False: "none"}.get(checkpointing, checkpointing)
+    if checkpoint_every(spec):
+        checkpoint_activations(model, reentrant, spec)
         if reentrant:  # the reentrant kind backpropagates only into a checkpoint whose input requires grad
             model.enable_input_require_grads()
     return model
 
 
-def checkpoint_activations(model, reentrant: bool = False) -> None:
-    """transformers' activation checkpointing of every decoder layer (torch.utils.checkpoint, non-reentrant unless
-    asked). transformers 5.2x calls it activation_checkpointing_enable, and its old name gradient_checkpointing_enable
-    a deprecated alias that warns; the transformers that Python 3.10 resolves may have the old name only."""
+def checkpoint_activations(model, reentrant: bool = False, checkpointing: str = "all") -> None:
+    """transformers' activation checkpointing of the decoder layers --checkpointing chooses (`checkpointed_layers`:
+    every one, or every K-th from layer 0), torch.utils.checkpoint, non-reentrant unless asked. transformers turns it
+    on for every layer; the layers not chosen are turned off again (each layer checks its own `gradient_checkpointing`,
+    eager and compiled alike: `compilation._CompiledForward`). transformers 5.2x calls it
+    activation_checkpointing_enable, and its old name gradient_checkpointing_enable a deprecated alias that warns; the
+    transformers that Python 3.10 resolves may have the old name only."""
     kwargs = {"use_reentrant": reentrant}
     if hasattr(model, "activation_checkpointing_enable"):
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for layer, chosen in zip(layers, checkpointed_layers(checkpointing, len(layers))):
+        layer.gradient_checkpointing = chosen
 
 
 def lora_config(rank: int, alpha: float, dropout: float):

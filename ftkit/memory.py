@@ -126,14 +126,7 @@ class ModelShape:
 
 
 QWEN3_4B = ModelShape(
-    layers=36,
-    hidden=2560,
-    heads=32,
-    kv_heads=8,
-    head_dim=128,
-    intermediate=9728,
-    vocab=151936,
-    tied_embeddings=True,
+    layers=36, hidden=2560, heads=32, kv_heads=8, head_dim=128, intermediate=9728, vocab=151936, tied_embeddings=True
 )
 
 
@@ -213,6 +206,7 @@ def predict(
     micro_batch_size: int = 1,
     seq_len: int = 2048,
     grad_checkpointing: bool = True,
+    checkpoint_every: int = 1,
     pp_schedule: str = "1f1b",
     num_microbatches: int | None = None,
     pp_stage: str | None = None,
@@ -231,6 +225,7 @@ def predict(
     world_size; the data-parallel degree is world_size / (tp * pp * cp).
     quant: "nf4" (QLoRA) or "none"; dtype: the base / compute dtype, "bf16" or "fp32".
     lora_dropout > 0 costs activation memory (see `layer_activation_bytes`); full_finetune: the ZeRO baseline;
+    grad_checkpointing with checkpoint_every K: layers 0, K, 2K, ... checkpointed (1: every one; 0: none);
     fp32_adapter_compute: the adapters computing in fp32 as PEFT does by default (runs measured before the
     scripts switched to `lora.adapters_compute_in`).
 
@@ -270,6 +265,7 @@ class _Setup:
     micro_batch_size: int
     seq_len: int
     grad_checkpointing: bool
+    checkpoint_every: int  # resolved: layers 0, K, 2K, ... checkpointed (--checkpointing every-K); 0 with none
     pp_schedule: str
     num_microbatches: int | None
     pp_stage: str | None
@@ -295,12 +291,9 @@ class _Setup:
             raise ValueError(f"quant must be 'nf4' or 'none' and dtype 'bf16' or 'fp32', got {quant!r}, {dtype!r}")
         if self.full_finetune and quant != "none":
             raise ValueError("a full finetune trains every weight: it cannot use a frozen 4-bit base")
-        if technique in ("tp", "tp-sp") and self.tp == 1:
-            self.tp = self.world_size
-        if technique == "pp" and self.pp == 1:
-            self.pp = self.world_size
-        if technique == "cp" and self.cp == 1:
-            self.cp = self.world_size
+        self.tp = self.world_size if technique in ("tp", "tp-sp") and self.tp == 1 else self.tp
+        self.pp = self.world_size if technique == "pp" and self.pp == 1 else self.pp
+        self.cp = self.world_size if technique == "cp" and self.cp == 1 else self.cp
         tp, pp, cp = self.tp, self.pp, self.cp
         if shape.layers % pp or shape.kv_heads % tp:
             raise ValueError(f"pp={pp} must divide {shape.layers} layers and tp={tp} the {shape.kv_heads} KV heads")
@@ -309,6 +302,9 @@ class _Setup:
         if cp > 1 and (technique != "cp" or self.seq_len % (2 * cp)):
             raise ValueError(f"cp={cp} is technique 'cp' only, with seq_len a multiple of 2 x cp, got {self.seq_len}")
         self.sequence_parallel = self.sequence_parallel or technique == "tp-sp"
+        if not (isinstance(self.checkpoint_every, int) and self.checkpoint_every >= 0):
+            raise ValueError(f"checkpoint_every must be 0 (none), 1 (all) or K > 1, got {self.checkpoint_every!r}")
+        self.checkpoint_every *= self.grad_checkpointing  # without checkpointing, no layer is
         dp = self.world_size // (tp * pp * cp)
         self.shards = dp if technique == "fsdp" else 1
 
@@ -338,12 +334,12 @@ class _Setup:
 
     def _layer(self) -> None:
         """One decoder layer on one rank: its parameters (`layer_weights`, `layer_constants`, `layer_lora`), what it
-        saves for backward (`layer_acts`), what it keeps from forward to backward (`kept_per_layer`) and the bf16
-        copies of the adapters (`copies`); the stage's layers and micro-batches.
+        saves for backward (`layer_acts`), what it keeps checkpointed (`layer_input`) and the bf16 copies of the
+        adapters (`copies`); the stage's layers and micro-batches.
 
-        - Checkpointing is non-reentrant and per decoder layer: each layer keeps its input (a*h per token) and
-          backward recomputes one layer at a time, so one layer's full activations count once, at the recompute
-          peak, with its backward's gradients.
+        - Checkpointing is non-reentrant and per decoder layer: each checkpointed layer (all, or every K-th from
+          layer 0) keeps its input (a*h per token), the others their saved activations, and backward recomputes one
+          layer at a time, so one layer's full activations count once, at the recompute peak (`stage`).
         - Sequence parallelism (tp-sp-ft's) splits the norms' saved inputs by tp, and the layer input checkpointing
           keeps; the LoRA inputs inside the blocks are the all-gathered sequence, saved whole. (Megatron-LM saves
           them sequence-sharded and all-gathers again in backward: Korthikanti et al.'s 34sbh/t.)
@@ -379,8 +375,7 @@ class _Setup:
         # autocast spans the whole step, so every layer of the stage keeps its copies cached.
         no_copies = act == FP32 or self.full_finetune or self.fp32_adapter_compute or self.technique == "fsdp"
         copies = 0 if no_copies else act * lora
-        self.copies = copies * (self.layers if self.technique == "pp" or not self.grad_checkpointing else 1)
-        self.kept_per_layer = tokens * act * shape.hidden / self.sp if self.grad_checkpointing else self.layer_acts
+        self.copies, self.layer_input = copies, tokens * act * shape.hidden / self.sp
         self.m = self.num_microbatches or pp
 
     def stage(self, first: bool, last: bool) -> MemoryPrediction:
@@ -412,14 +407,17 @@ class _Setup:
 
         # RoPE's cos and sin: cp-ft's position ids are [rows, its tokens], the other scripts' [1, seq]
         rope = 2 * shape.head_dim * self.act * (self.tokens if self.technique == "cp" else self.seq_len)
-        acts = in_flight * layers * self.kept_per_layer + rope
-        acts += self.copies
+        # A checkpointed layer (i a multiple of checkpoint_every) keeps its input, another all it saves (`_layer`)
+        start, every = (0 if first else shape.layers - layers), self.checkpoint_every
+        chosen = [every > 0 and i % every == 0 for i in range(start, start + layers)]
+        acts = in_flight * sum(self.layer_input if c else self.layer_acts for c in chosen) + rope
+        acts += self.copies * (layers if self.technique == "pp" else chosen.count(False) + chosen[-1])
         # Backward has two peaks, and the larger one counts: at the loss, and in the first layer it runs (the first
         # it recomputes, with checkpointing), once the loss's tensors are freed.
         loss_peak = 0.0
         if last:
             acts, loss_peak = self._loss(acts, first, in_flight)
-        layer_peak = self._layer_peak()
+        layer_peak = self._layer_peak(recomputed=chosen[-1])
         root, layer_set = self._fsdp_unsharded(outside)
         at_loss = 0.0 if self.reshard_after_forward else layer_set
         if loss_peak + at_loss >= layer_peak + layer_set:
@@ -469,16 +467,17 @@ class _Setup:
         # The last micro-batch's loss backward: the log-softmax's gradient and its input's, fp32, beside it.
         return acts, saved + 2 * FP32 * n_logits
 
-    def _layer_peak(self) -> float:
-        """The first layer backward runs (recomputed, with checkpointing): its saved activations and the gradients
-        its backward holds beside them."""
+    def _layer_peak(self, recomputed: bool) -> float:
+        """The first layer backward runs (`recomputed` where checkpointed): its saved activations and the gradients
+        its backward holds beside them. A later checkpointed layer's recompute peaks lower: the layers above it, at
+        least one of them not checkpointed, have freed at least as much as it recomputes."""
         # The layer's backward holds gradients beside what it saved; at its peak, inside down_proj's LoRA backward:
         # A's input gradient (the MLP's width, in the adapters' dtype), five of the hidden width in the stream
         # dtype, one fp32 value per token (counted on ftkit.realscale's fake-tensor runs, to the byte).
         act, shape = self.act, self.shape
         lora_a = FP32 if self.fp32_adapter_compute else act
         working = self.tokens * (lora_a * shape.intermediate / self.tp + 5 * act * shape.hidden / self.sp + FP32)
-        return working + (self.layer_acts if self.grad_checkpointing else 0.0)
+        return working + (self.layer_acts if recomputed else 0.0)
 
     def _fsdp_unsharded(self, outside: float) -> tuple[float, float]:
         """FSDP's unsharded copies for compute, on top of the resident shards: (the root unit's, the layers' at the

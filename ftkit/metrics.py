@@ -401,6 +401,7 @@ def predicted_memory(config, args, technique: str, **setting) -> dict:
     upper bound: the scripts compute them at the answer positions only. FSDP's accumulation steps come from the
     flags (with more than one, its gradients accumulate unsharded)."""
     from ftkit.batching import accumulation_steps
+    from ftkit.lora import checkpoint_every
     from ftkit.memory import ModelShape, predict
 
     if technique == "fsdp":
@@ -416,6 +417,7 @@ def predicted_memory(config, args, technique: str, **setting) -> dict:
         micro_batch_size=args.micro_batch_size,
         seq_len=getattr(args, "micro_batch_tokens", None) or args.max_length,  # a token budget: one row of that many
         grad_checkpointing=args.grad_checkpointing,
+        checkpoint_every=checkpoint_every(getattr(args, "checkpointing", None) or "all") or 1,
         **setting,
     ).as_dict()
 

@@ -49,7 +49,7 @@ def encode_data(args: argparse.Namespace, splits: dict) -> tuple:
 
 def load_lora_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.device, vocab_size: int):
     """The whole bf16 (--dtype) base on this rank's `device`, built by rank 0 first (it fills the caches), with
-    --grad-checkpointing's non-reentrant checkpointing of every decoder layer, and PEFT's LoRA from --seed: the
+    --checkpointing's non-reentrant checkpointing of the decoder layers it chooses, and PEFT's LoRA from --seed: the
     same weights and adapter init on every rank, as the single-GPU run's. The start of the scripts in which every
     rank builds the whole model and then keeps its part (tp-ft, tp-sp-ft, pp-ft, fsdp-tp-ft)."""
 
@@ -58,5 +58,5 @@ def load_lora_model(args: argparse.Namespace, dtype: torch.dtype, device: torch.
             args.model, quant="none", dtype=dtype, device=device, seed=args.seed, vocab_size=vocab_size
         )
     if args.grad_checkpointing:
-        lora.checkpoint_activations(model)
+        lora.checkpoint_activations(model, checkpointing=args.checkpointing)
     return lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)

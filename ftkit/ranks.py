@@ -13,6 +13,7 @@ import time
 
 import torch
 
+from ftkit import errors
 from ftkit.errors import CheckpointError, DataError, ModelError, RunComplete, RunError
 
 
@@ -86,6 +87,9 @@ def launch(main) -> None:
         main()
     except RunComplete as e:
         print0(str(e))
+    except torch.OutOfMemoryError:
+        print(out_of_memory(), file=sys.stderr)
+        raise
     except (RunError, DataError, ModelError, CheckpointError) as e:
         # Flags and data are the same on every rank, so rank 0 says it once; a checkpoint error can be one rank's
         # own shard, so every rank that meets one says so. The others wait a moment before exiting: torchrun stops
@@ -100,6 +104,21 @@ def launch(main) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def out_of_memory() -> str:
+    """What a run that ran out of GPU memory says beside torch's error: the memory model's prediction for its layout
+    (`errors.memory_prediction`, where --fit chose it) against what the allocator held at its peak."""
+    peak = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else 0.0
+    if errors.memory_prediction is None:
+        return (
+            f"out of memory at {peak:.1f} GiB allocated (peak): try --micro-batch-tokens lower, or --checkpointing all"
+        )
+    return (
+        f"out of memory at {peak:.1f} GiB allocated (peak); --fit auto chose: {errors.memory_prediction}. The memory "
+        "model under-predicted this run by at least the difference; run with --fit off (or a smaller "
+        "--micro-batch-tokens) and report it"
+    )
 
 
 def gather_split(t: torch.Tensor, dim: int | None, group=None) -> torch.Tensor:

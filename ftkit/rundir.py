@@ -61,6 +61,12 @@ RESUME_FREE = (
     "experiment",
 )
 
+# Flags --resume takes from the run's config.json unless given again, and that may then differ: the same step's math
+# with another memory/time trade (`--checkpointing`, `--no-grad-checkpointing`: recomputing a layer restores its RNG
+# state, so its dropout masks are the first forward's). A run recorded before --checkpointing has grad_checkpointing
+# only, which `cli.resolve_checkpointing` maps to all or none.
+RESUME_MAY_CHANGE = ("checkpointing", "grad_checkpointing")
+
 
 def experiment_root(args: argparse.Namespace) -> Path:
     return RUNS / (args.experiment + ("-smoke" if args.smoke else ""))
@@ -103,7 +109,7 @@ def take_run_flags(args: argparse.Namespace) -> None:
             continue
         if key not in given:
             setattr(args, key, value)
-        elif getattr(args, key) != value:
+        elif getattr(args, key) != value and key not in RESUME_MAY_CHANGE:
             conflicts.append(f"--{key.replace('_', '-')}: the run used {value}, this command says {getattr(args, key)}")
     if conflicts:
         raise RunError(

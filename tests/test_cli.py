@@ -4,6 +4,7 @@ torch 2.13 and 2.14), with torch's version faked."""
 
 from __future__ import annotations
 
+import argparse
 import re
 import runpy
 import sys
@@ -12,7 +13,7 @@ import parity
 import pytest
 import torch
 
-from ftkit import cli, errors
+from ftkit import cli, errors, rundir
 
 SCRIPTS = sorted(p.parent.name for p in (parity.ROOT / "experiments").glob("*/train.py"))
 EAGER = ("tp-sp-ft", "cp-ft")  # their layers run eager whatever --compile says (cli.ALWAYS_EAGER)
@@ -143,3 +144,35 @@ def test_micro_batches_by_tokens_are_one_row_and_refused_where_they_cannot_hold(
         with pytest.raises(errors.RunError, match="--micro-batch-tokens"):
             monkeypatch.setattr(sys, "argv", [script, "--smoke", "--micro-batch-tokens", "8192"])
             runpy.run_path(str(parity.ROOT / "experiments" / script / "train.py"))["parse_args"]()
+
+
+def test_checkpointing_by_layer_forms_and_refusals():
+    """--checkpointing all|none|every-K (K >= 1; every-1 is all), --no-grad-checkpointing its old spelling of none,
+    the two at odds refused, and a malformed value refused naming the forms; grad_checkpointing stays the bool."""
+    for argv, spec, on in [
+        ((), "all", True),
+        (("--checkpointing", "none"), "none", False),
+        (("--checkpointing", "every-1"), "all", True),
+        (("--checkpointing", "every-3"), "every-3", True),
+        (("--no-grad-checkpointing",), "none", False),
+        (("--no-grad-checkpointing", "--checkpointing", "none"), "none", False),
+    ]:
+        args = resolve("--smoke", *argv)
+        assert (args.checkpointing, args.grad_checkpointing) == (spec, on), argv
+    for bad in ("every-0", "every-x", "every2", "some", "every--2", "every-2.5"):
+        with pytest.raises(errors.RunError, match="give all, none or every-K"):
+            resolve("--smoke", "--checkpointing", bad)
+    with pytest.raises(errors.RunError, match="disagree"):
+        resolve("--smoke", "--checkpointing", "every-2", "--no-grad-checkpointing")
+    assert cli.checkpoint_every("none") == 0 and cli.checkpoint_every("all") == 1 == cli.checkpoint_every("every-1")
+    assert cli.checkpointed_layers("every-2", 5) == [True, False, True, False, True]
+    assert cli.checkpointed_layers("all", 3) == [True] * 3 and cli.checkpointed_layers("none", 2) == [False] * 2
+    # a run recorded before --checkpointing (grad_checkpointing only), as --resume takes its flags
+    old = argparse.Namespace(grad_checkpointing=False, checkpointing=None, explicit_flags=[])
+    cli.resolve_checkpointing(old)
+    assert old.checkpointing == "none" and not old.grad_checkpointing
+    # --resume of an every-2 run with --no-grad-checkpointing given again: none (RESUME_MAY_CHANGE)
+    again = argparse.Namespace(grad_checkpointing=False, checkpointing="every-2", explicit_flags=["grad_checkpointing"])
+    cli.resolve_checkpointing(again)
+    assert again.checkpointing == "none"
+    assert "checkpointing" in rundir.RESUME_MAY_CHANGE and "checkpointing" not in rundir.RESUME_MUST_MATCH

@@ -72,7 +72,7 @@ def test_qlora_keeps_the_embedding_lm_head_and_norms_in_the_compute_dtype():
     def qlora():
         return models.load_model("tiny", quant="nf4", dtype=torch.bfloat16, device=torch.device("cpu"), seed=0)
 
-    model = lora.apply_lora(lora.freeze_base(qlora(), grad_checkpointing=True), 16, 32.0, 0.0, seed=0)
+    model = lora.apply_lora(lora.freeze_base(qlora(), checkpointing="all"), 16, 32.0, 0.0, seed=0)
     inner = model.base_model.model
     assert inner.lm_head.weight is inner.model.embed_tokens.weight  # tied, as in Qwen3-4B
     assert inner.lm_head.weight.dtype == torch.bfloat16
@@ -146,7 +146,7 @@ def tiny_lora(dtype: torch.dtype, dropout: float = 0.0):
     """The tiny model with LoRA as the scripts build it, B drawn at random (PEFT inits it to zero, which would
     leave A without a gradient)."""
     model = models.load_model("tiny", quant="none", dtype=dtype, device=torch.device("cpu"), seed=0)
-    model = lora.apply_lora(lora.freeze_base(model, grad_checkpointing=True), 16, 32.0, dropout, seed=0)
+    model = lora.apply_lora(lora.freeze_base(model, checkpointing="all"), 16, 32.0, dropout, seed=0)
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():

@@ -552,3 +552,24 @@ def test_the_docs_predictions_on_the_ami_layouts_are_the_planners_in_qwen3s_toke
         f"of {at[2048]['tokens_per_s']:,.0f}",
     )
     capsys.readouterr()
+
+
+def test_checkpointing_every_other_layer_lies_between_all_and_none_in_memory_and_time():
+    """--checkpointing every-2 (Setting.checkpoint_every 2): half the layers recomputed, so less memory than none and
+    a shorter step than all; on the calibrated host, compiled or eager, the host's ops per micro-batch between the two
+    rows of HOST_OPS (compiled without checkpointing a prediction: hosts.host_ops_per_micro)."""
+    for extra in ({}, {"host": "h100-vm", "layout": "packed", "compile": True, "steps": 2}):
+        rows = [
+            techniques.evaluate(setting(gpus=1, **extra, **ckpt), "single", {}, "none")
+            for ckpt in ({}, {"checkpoint_every": 2}, {"grad_checkpointing": False})
+        ]
+        every_one, every_two, none = rows
+        assert every_one["memory_bytes"] < every_two["memory_bytes"] < none["memory_bytes"]
+        assert every_one["step_time_s"] > every_two["step_time_s"] > none["step_time_s"]
+    ops = [
+        hosts.host_ops_per_micro(setting(layout="packed", compile=compiled, **ckpt), "none", 36)
+        for compiled in (False, True)
+        for ckpt in ({}, {"checkpoint_every": 2}, {"grad_checkpointing": False})
+    ]
+    assert ops[0] > ops[1] > ops[2] and ops[3] > ops[4] > ops[5] and ops[0] == 280 + 1498 * 36
+    assert settings.run_flags({"checkpointing": "every-3", "grad_checkpointing": True})["checkpoint_every"] == 3

@@ -206,7 +206,7 @@ def test_the_reference_configuration_is_the_scripts_defaults():
     assert table["model"] == f"`{real['model']}`"
     assert table["sequence length (`--max-length`)"] == f"{real['max_length']} tokens"
     assert table["global batch (`--batch-size`)"].startswith(f"{real['batch_size']} sequences")
-    assert table["micro-batch (`--micro-batch-size`)"].startswith(f"{real['micro_batch_size']} sequences")
+    assert table["micro-batch (`--micro-batch-size`)"].startswith(f"{real['micro_batch_size']} packed rows")
     lora = f"rank {defaults['lora_rank']}, alpha {defaults['lora_alpha']:g}, dropout {real['lora_dropout']}"
     assert table["LoRA"].startswith(lora)
     assert table["precision"].startswith(f"{real['dtype']} compute")

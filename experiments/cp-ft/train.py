@@ -201,13 +201,13 @@ def all_reduce_grads(trainable: list[torch.Tensor]) -> None:
 
 def comm_theory(config, args, padded_tokens: float, trainable: list[torch.Tensor]) -> dict[str, float]:
     """What theory says a step of `padded_tokens` (all its micro-batches') sends, by collective: per layer and padded
-    token, K and V (8 heads x 128 x bf16 at Qwen3-4B: 4 KiB) all-gathered in forward, again in the recompute under
-    checkpointing, and their gradients reduce-scattered; then the LoRA gradients' one all-reduce. Bytes of the
+    token, K and V (8 heads x 128 x bf16 at Qwen3-4B: 4 KiB) all-gathered in forward, again in the recompute of each
+    checkpointed layer, and their gradients reduce-scattered; then the LoRA gradients' one all-reduce. Bytes of the
     whole buffers, as recorded."""
     kv = 2 * config.num_key_value_heads * config.head_dim * cli.torch_dtype(args.dtype).itemsize
     per_pass = kv * config.num_hidden_layers * padded_tokens
-    gathers = 2 if args.grad_checkpointing else 1
-    return {"all_gather": gathers * per_pass, "reduce_scatter": per_pass, "all_reduce": comm.nbytes(trainable)}
+    recomputed = kv * comm.checkpointed_count(args, config.num_hidden_layers) * padded_tokens  # recomputed layers
+    return {"all_gather": per_pass + recomputed, "reduce_scatter": per_pass, "all_reduce": comm.nbytes(trainable)}
 
 
 def check_layout(args, world: int) -> tuple[int, int]:
@@ -256,7 +256,7 @@ def main() -> None:
         )
     config = model.config
     if args.grad_checkpointing:  # the recompute in backward runs cp_attention again, gathers included
-        lora.checkpoint_activations(model)
+        lora.checkpoint_activations(model, checkpointing=args.checkpointing)
     model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     checkpoint.seed_dropout(args.seed, stream=rank)  # each rank's tokens differ, and so do its dropout masks
     compiled = compilation.compile_layers(model, args.compile, eager_because=EAGER_BECAUSE)

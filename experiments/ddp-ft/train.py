@@ -34,6 +34,7 @@ from ftkit import (
     compilation,
     errors,
     evaluation,
+    fit,
     lora,
     metrics,
     models,
@@ -124,7 +125,7 @@ def main() -> None:
     # Every rank builds the same global batches (a function of seed and step) and takes its own share of each.
     tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
     # Packed: rows of up to --max-length holding several examples each (--no-packing: one padded example per row).
-    batches = batching.global_batches(args, train_set)
+    batches = fit.global_batches(args, train_set)
     eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.micro_batch_size, rank, world)
 
     # ---- model: frozen base (4-bit NF4 for QLoRA) + trainable LoRA on all seven projections, on this rank's device
@@ -135,7 +136,7 @@ def main() -> None:
     config = model.config
     # Non-reentrant checkpointing recomputes a layer inside the one backward pass, so DDP's per-parameter hooks
     # fire once, in order. The reentrant kind runs a nested backward per layer (--reentrant-checkpointing).
-    model = lora.freeze_base(model, args.grad_checkpointing, reentrant=args.reentrant_checkpointing)
+    model = lora.freeze_base(model, args.checkpointing, reentrant=args.reentrant_checkpointing)
     model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     checkpoint.seed_dropout(args.seed, stream=rank)  # each rank's examples differ, and so do its dropout masks
     compiled = compilation.compile_layers(model, args.compile)  # --compile: each decoder layer, in place, before DDP

@@ -38,6 +38,7 @@ from ftkit import (
     compilation,
     errors,
     evaluation,
+    fit,
     lora,
     metrics,
     models,
@@ -195,7 +196,7 @@ def main() -> None:
     # Every rank builds the same global batches (a function of seed and step) and takes its own share of each.
     tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
     # Packed: rows of up to --max-length holding several examples each (--no-packing: one padded example per row).
-    batches = batching.global_batches(args, train_set)
+    batches = fit.global_batches(args, train_set)
     # An evaluation forward all-gathers every unit, a collective: every rank must run as many micro-batches.
     eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.micro_batch_size, rank, world, even=True)
 
@@ -221,7 +222,7 @@ def main() -> None:
     if args.grad_checkpointing:
         # Non-reentrant: transformers checkpoints each layer's forward, not its __call__, so FSDP2's hooks stay
         # outside the checkpoint and the recomputation in backward does not all-gather the layer a third time.
-        lora.checkpoint_activations(model)
+        lora.checkpoint_activations(model, checkpointing=args.checkpointing)
     model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     checkpoint.seed_dropout(args.seed, stream=rank)  # each rank's examples differ, and so do its dropout masks
     # --compile: each decoder layer, in place, before FSDP2; eager on a 4-bit base, saying why (cli.eager_because)

@@ -41,6 +41,7 @@ from ftkit import (
     data,
     errors,
     evaluation,
+    fit,
     lora,
     metrics,
     models,
@@ -124,7 +125,7 @@ def main() -> None:
 
     # ---- data: every rank builds the same global batches; a TP group takes its FSDP index's share of each.
     tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
-    batches = batching.global_batches(args, train_set)
+    batches = fit.global_batches(args, train_set, mesh={"dp": dp, "tp": tp})
     # Every FSDP forward is a collective: every TP group must run as many eval micro-batches.
     eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.micro_batch_size, dp_rank, dp, even=True)
 

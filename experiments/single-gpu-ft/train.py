@@ -26,6 +26,7 @@ from ftkit import (
     data,
     errors,
     evaluation,
+    fit,
     lora,
     metrics,
     models,
@@ -59,7 +60,7 @@ def main() -> None:
     # packed into rows of up to --max-length positions (several examples each; --no-packing: one padded example per row)
     splits = data.load_splits(args.data, args.data_revision)
     tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
-    batches = batching.global_batches(args, train_set)
+    batches = fit.global_batches(args, train_set)
     accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
     eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.micro_batch_size)
 
@@ -70,7 +71,7 @@ def main() -> None:
     config = model.config
     # Frozen base, activation checkpointing (non-reentrant: works with frozen inputs and, later, with DDP). The
     # embedding, lm_head and norms stay in the compute dtype (bf16 on GPUs), as in the bf16-LoRA runs.
-    model = lora.freeze_base(model, args.grad_checkpointing)
+    model = lora.freeze_base(model, args.checkpointing)
     model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
     checkpoint.seed_dropout(args.seed, stream=0)  # the dropout masks' stream (each data-parallel rank has its own)
     compiled = compilation.compile_layers(model, args.compile)  # --compile: each decoder layer, in place (one graph)

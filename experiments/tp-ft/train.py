@@ -32,6 +32,7 @@ from ftkit import (
     compilation,
     errors,
     evaluation,
+    fit,
     lora,
     metrics,
     models,
@@ -135,7 +136,7 @@ def main() -> None:
 
     # ---- data: every rank builds the same global batches and runs all of them (rank 0 of a world of 1).
     tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
-    batches = batching.global_batches(args, train_set)
+    batches = fit.global_batches(args, train_set)
     eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.micro_batch_size)
 
     # ---- model: the whole bf16 base and the PEFT LoRA are built on every rank (the same seed, the same init),

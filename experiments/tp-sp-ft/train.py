@@ -30,6 +30,7 @@ from ftkit import (
     comm,
     compilation,
     evaluation,
+    fit,
     lora,
     metrics,
     models,
@@ -277,7 +278,7 @@ def main() -> None:
 
     # ---- data: every rank builds the same global batches and runs all of them (rank 0 of a world of 1).
     tokenizer, train_set, val_set, train_stats = prepare.encode_data(args, splits)
-    batches = batching.global_batches(args, train_set)
+    batches = fit.global_batches(args, train_set)
     eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.micro_batch_size)
     eval_batches = [batching.pad_to_multiple(mb, tp) for mb in eval_batches]  # as every training micro-batch, below
 

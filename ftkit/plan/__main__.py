@@ -11,6 +11,7 @@ import argparse
 import json
 
 from ftkit import errors, hardware, models
+from ftkit.lora import checkpoint_every
 from ftkit.memory import GIB
 from ftkit.plan.hosts import ASSUMED_MFU, HOSTS
 from ftkit.plan.layouts import AMI_LENGTHS, LAYOUTS
@@ -28,7 +29,7 @@ def print_table(result: dict, model: str) -> None:
     gpu = f"MFU {a['mfu']:.0%}" if notes is None else f"GPU kernels at {a['mfu']:.1%} of the peak (below)"
     print(
         f"global batch {st['batch_size']} x {st['max_length']} tokens, micro-batch {st['micro_batch_size']}, LoRA "
-        f"r{st['lora_rank']}, checkpointing {'on' if st['grad_checkpointing'] else 'off'}; assumed: {gpu}, links at "
+        f"r{st['lora_rank']}, checkpointing {checkpointing(st)}; assumed: {gpu}, links at "
         f"{a['link_efficiency']:.0%} of their bandwidth, memory x{a['memory_margin']} "
         f"+ {a['reserve_bytes'] / GIB:.1f} GiB"
     )
@@ -50,6 +51,11 @@ def print_table(result: dict, model: str) -> None:
         )
     rec = result["recommendation"]
     print(f"recommendation: {label(rec) if rec['technique'] else 'none'}: {rec['reason']}")
+
+
+def checkpointing(st: dict) -> str:
+    every = st.get("checkpoint_every", 1)
+    return "off" if not st["grad_checkpointing"] else "on" if every == 1 else f"every {every} layers"
 
 
 def parser() -> argparse.ArgumentParser:
@@ -74,7 +80,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--answer-tokens", type=int, default=256, help="positions the lm_head runs on, per sequence")
     p.add_argument("--lora-rank", type=int, default=16)
     p.add_argument("--lora-dropout", type=float, default=0.05)
-    p.add_argument("--no-grad-checkpointing", dest="grad_checkpointing", action="store_false")
+    p.add_argument("--no-grad-checkpointing", dest="grad_checkpointing", action="store_false", help="old: none")
+    p.add_argument(
+        "--checkpointing",
+        default=None,
+        metavar="{all,none,every-K}",
+        help="the decoder layers checkpointed, as the scripts' flag: every one, none, or layers 0, K, 2K, ... [all]",
+    )
     p.add_argument(
         "--mfu",
         type=float,
@@ -119,8 +131,12 @@ def setting_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> Settin
         p.error(
             "--compile: assets/host_ops.py counts the compiled layers' launches on packed rows: --layout packed or full"
         )
-    if args.compile and args.host and not args.grad_checkpointing:
-        p.error("--compile --host: the compiled layers' launches are counted with checkpointing on only")
+    try:
+        every = checkpoint_every(args.checkpointing or ("all" if args.grad_checkpointing else "none"))
+    except errors.RunError as e:
+        p.error(str(e))
+    if args.checkpointing not in (None, "none") and not args.grad_checkpointing:
+        p.error(f"--checkpointing {args.checkpointing} and --no-grad-checkpointing (--checkpointing none) disagree")
     if args.micro_batch_tokens and (args.layout != "packed" or args.micro_batch_tokens < args.max_length):
         p.error("--micro-batch-tokens: one packed row (--layout packed) of at least --max-length positions")
     if args.gpus < 1 or args.nodes < 1 or args.gpus % args.nodes:
@@ -140,7 +156,9 @@ def setting_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> Settin
         memory_bytes=args.gpu_memory_gib * GIB if args.gpu_memory_gib else gpu.memory_bytes,
         reserve_bytes=args.reserve_gib * GIB,
         **{k: getattr(args, k) for k in ("batch_size", "micro_batch_size", "max_length", "answer_tokens")},
-        **{k: getattr(args, k) for k in ("lora_rank", "lora_dropout", "grad_checkpointing", "mfu")},
+        **{k: getattr(args, k) for k in ("lora_rank", "lora_dropout", "mfu")},
+        grad_checkpointing=every > 0,
+        checkpoint_every=max(every, 1),
         micro_batch_tokens=args.micro_batch_tokens,
         link_efficiency=args.link_efficiency,
         layout=args.layout,

@@ -14,7 +14,8 @@ from ftkit.plan.settings import Setting
 # single-gpu-ft's step dispatches as CUDA dispatches them (eager; checked op by op against the H100 profiles'
 # counts), or, with the decoder layers compiled, the compiled graphs' kernels and extern ops plus the eager ops
 # around them (inductor's C++ kernels on a CPU standing in for its Triton ones on CUDA: a prediction). Counted at 2
-# and 3 decoder layers: (ops outside the layers, ops per layer) for (layout, quant, grad_checkpointing, compiled).
+# and 3 decoder layers: (ops outside the layers, ops per layer) for (layout, quant, grad_checkpointing, compiled);
+# `host_ops_per_micro` interpolates --checkpointing every-K between the checkpointed and plain rows.
 # "padded" is this code's padded call (no mask: the rows are right-padded and attention causal), "packed" its packed
 # call (position_ids, no mask); full-length rows dispatch what "padded" does.
 HOST_OPS: dict[tuple[str, str, bool, bool], tuple[int, int]] = {
@@ -104,11 +105,20 @@ def host_ops_per_micro(s: Setting, quant: str, layers: int) -> int:
             raise ValueError(f"{source}'s op count is of its eager 36-layer step with the padding mask, on one rank")
         return H100_OPS_PER_MICRO[(source, quant)]
     layout = "packed" if s.compile or s.layout == "packed" else "padded"  # full-length rows: padded's path
-    key = (layout, quant, s.grad_checkpointing, s.compile)
-    if key not in HOST_OPS:
-        raise ValueError(f"no host op count for {key} (assets/host_ops.py counts compiled layers with checkpointing)")
-    base, per_layer = HOST_OPS[key]
-    return base + per_layer * layers
+    base, checkpointed = HOST_OPS[layout, quant, True, False]
+    plain_base, plain = HOST_OPS[layout, quant, False, False]
+    if s.compile:
+        # Compiled without checkpointing is not counted: a prediction. Outside the layers nothing is compiled, so the
+        # eager base of the layout (the compiled row's base is the eager checkpointed one's). In the layers, no
+        # checkpoint machinery and no recompute forward graph call: the compiled per-layer count scaled as the eager
+        # one drops them (a LoRA layer's backward dispatches more matmuls than its forward, so the forward is about
+        # 30% of a checkpointed layer's ops, not a third; the same share of its kernels and extern ops compiled).
+        plain *= HOST_OPS[layout, quant, True, True][1] / checkpointed
+        base, checkpointed = HOST_OPS[layout, quant, True, True]
+    # --checkpointing every-K: the checkpointed fraction of the layers at the checkpointed count, the rest at the
+    # plain one; ops outside the layers as with checkpointing wherever a layer is (layer 0 is then among them).
+    per_layer = plain + s.recomputed * (checkpointed - plain)
+    return round((base if s.recomputed else plain_base) + per_layer * layers)
 
 
 ASSUMED_MFU = 0.4  # without a calibrated host: well-tuned dense training (PaLM reports 46.2%)

@@ -75,7 +75,7 @@ def plan(s: Setting) -> dict:
             "inter_node_link": s.inter_node_link.key if s.nodes > 1 else None,
             "memory_bytes": s.memory_bytes,
             **{k: getattr(s, k) for k in ("batch_size", "micro_batch_size", "max_length", "answer_tokens")},
-            **{k: getattr(s, k) for k in ("lora_rank", "lora_dropout", "grad_checkpointing")},
+            **{k: getattr(s, k) for k in ("lora_rank", "lora_dropout", "grad_checkpointing", "checkpoint_every")},
         },
         "assumptions": {
             "mfu": mfu,

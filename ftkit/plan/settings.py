@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from types import SimpleNamespace
 
 from ftkit import hardware, models
+from ftkit.lora import checkpoint_every
 from ftkit.memory import GIB, ModelShape
 
 # Shapes of the Qwen3 models beyond the 4B one, from each model's config.json on the Hugging Face hub.
@@ -62,6 +63,7 @@ class Setting:
     lora_rank: int = 16
     lora_dropout: float = 0.05
     grad_checkpointing: bool = True
+    checkpoint_every: int = 1  # --checkpointing every-K: layers 0, K, 2K, ... checkpointed (1: all of them)
     mfu: float | None = None  # the GPU kernels' fraction of the dense bf16 peak [the host's calibration, or 0.4]
     link_efficiency: float = 0.8
     reserve_bytes: float = GIB
@@ -78,6 +80,13 @@ class Setting:
     @property
     def shape(self) -> ModelShape:
         return ModelShape.from_config(vars(self.config))
+
+    @property
+    def recomputed(self) -> float:
+        """The fraction of the decoder layers that checkpointing recomputes in backward: 1 (all), 0 (none, or
+        grad_checkpointing off), ceil(layers / K) / layers (every-K)."""
+        layers, every = self.config.num_hidden_layers, self.checkpoint_every * self.grad_checkpointing
+        return -(-layers // every) / layers if every else 0.0
 
     @property
     def per_node(self) -> int:
@@ -104,8 +113,12 @@ RUN_FLAGS = (
 
 
 def run_flags(config: dict) -> dict:
-    """A run's recorded configuration as Setting fields: those of RUN_FLAGS it has."""
-    return {k: config[k] for k in RUN_FLAGS if k in config}
+    """A run's recorded configuration as Setting fields: those of RUN_FLAGS it has (--checkpointing every-K as
+    checkpoint_every)."""
+    flags = {k: config[k] for k in RUN_FLAGS if k in config}
+    if config.get("checkpointing", "none") != "none":
+        flags["checkpoint_every"] = checkpoint_every(config["checkpointing"])
+    return flags
 
 
 def model_config(name: str) -> SimpleNamespace:

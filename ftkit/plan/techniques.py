@@ -3,6 +3,7 @@ planner's margin), its step time and tokens/s, or why the experiment refuses the
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 
 from ftkit import batching, errors, ranks
@@ -69,6 +70,7 @@ def memory_bytes(s: Setting, technique: str, mesh: dict[str, int], quant: str, a
         micro_batch_size=1 if s.micro_batch_tokens else s.micro_batch_size,
         seq_len=s.micro_batch_tokens or s.max_length,
         grad_checkpointing=s.grad_checkpointing,
+        checkpoint_every=s.checkpoint_every,
         num_microbatches=accum,
         accumulation_steps=accum,
     ).total
@@ -94,12 +96,14 @@ def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> di
         accum = batching.accumulation_steps(s.batch_size, 1 if s.micro_batch_tokens else s.micro_batch_size, dp)
     except (ValueError, errors.RunError, errors.DataError) as e:
         return {**row, "refused": str(e)}
-    memory = memory_bytes(s, technique, mesh, quant, accum)
-    required = memory * MEMORY_MARGIN + s.reserve_bytes
     try:
         steps = [step_time(s, technique, mesh, quant, step) for step in layout_steps(s, dp)]
     except ValueError as e:  # no op count for this setting's host (host_ops_per_micro says which)
         return {**row, "refused": str(e)}
+    if s.micro_batch_tokens:  # one row of many examples: the lm_head at the most answer positions a row holds
+        s = dataclasses.replace(s, answer_tokens=max(m.answers for p in steps for m in p["micros"]))
+    memory = memory_bytes(s, technique, mesh, quant, accum)
+    required = memory * MEMORY_MARGIN + s.reserve_bytes
     out = {
         **row,
         "gpus_used": used,

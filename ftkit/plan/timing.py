@@ -47,7 +47,7 @@ def micro_flops(s: Setting, m: Micro) -> float:
     """FLOPs the kernels compute for one micro-batch: the MFU convention's (`metrics.step_flops`) over every position
     of its rows, padding included (attention over each row's whole width), the lm_head at its answer positions (at
     every position with the "full" layout, as the planner counted before issue 30), and the layers' forward again
-    where checkpointing recomputes it."""
+    where checkpointing recomputes it (the fraction of the layers it checkpoints: `Setting.recomputed`)."""
     shape, cfg = s.shape, s.config
     n_lora = lora_params(shape, s.lora_rank)
     flops = metrics.step_flops([m.width] * m.rows, cfg, n_lora, None if s.layout == "full" else m.answers)
@@ -56,9 +56,10 @@ def micro_flops(s: Setting, m: Micro) -> float:
     # attends within an example; a row of 16,384 positions counted whole would be 8x the attention of its examples).
     squares = sum(n * n for n in m.segments) if m.segments else m.rows * m.width**2
     flops += 6 * shape.layers * d * (squares - m.rows * m.width**2)
-    if s.grad_checkpointing:  # the layers' forward again: 2 FLOPs per layer weight and adapter weight, attention
+    if s.recomputed:  # the layers' forward again: 2 FLOPs per layer weight and adapter weight, attention
         layer_matmul = metrics.matmul_params(cfg) - shape.vocab * shape.hidden
-        flops += m.rows * m.width * (2 * layer_matmul + 2 * n_lora) + 2 * shape.layers * d * squares
+        again = m.rows * m.width * (2 * layer_matmul + 2 * n_lora) + 2 * shape.layers * d * squares
+        flops += s.recomputed * again  # of the checkpointed layers only
     return flops
 
 
@@ -124,10 +125,10 @@ def exposed_comm(
         exposed = accum * (max(0.0, gathers - micro) + gathers / (2 * shape.layers))
         exposed += max(0.0, coll("reduce_scatter", FP32 * n_lora / tp, dp) - micro / 2)
     if technique in ("tp", "fsdp-tp"):
-        per_layer = 9 if s.grad_checkpointing else 7
+        per_layer = 7 + 2 * s.recomputed  # a checkpointed layer's two forward all-reduces again
         exposed += sum(shape.layers * per_layer * coll("all_reduce", a, tp, inside_node=True) for a in activations)
     if technique == "tp-sp":
-        per_layer = 5.5 if s.grad_checkpointing else 4  # in pairs: the recompute adds three halves
+        per_layer = 4 + 1.5 * s.recomputed  # in pairs: a checkpointed layer's recompute adds three halves
         replicated = (
             shape.layers
             * s.lora_rank
@@ -143,7 +144,7 @@ def exposed_comm(
         # and their gradients reduce-scattered, each [rows, width, kv heads x head_dim] bf16 whole, on the critical
         # path (the script does not overlap them), inside a node; then the LoRA gradients' one all-reduce over every
         # rank, after backward.
-        gathers = 2 if s.grad_checkpointing else 1
+        gathers = 1 + s.recomputed
         kv = [m.rows * m.width * shape.kv_dim * BF16 for m in step.micros]
         exposed = sum(
             2 * shape.layers * (gathers * coll("all_gather", b, cp, True) + coll("reduce_scatter", b, cp, True))
@@ -162,7 +163,7 @@ def step_time(s: Setting, technique: str, mesh: dict[str, int], quant: str, step
     the technique cannot hide and the pipeline's bubble."""
     dp, tp, pp, cp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1), mesh.get("cp", 1)
     op_s = host_calibration(s)[0]
-    passes = 3 if s.grad_checkpointing else 2  # forward, (recompute,) backward
+    passes = 2 + s.recomputed  # forward, backward, and the checkpointed layers' recompute
     gpu = gpu_times(s, quant, step, tp, pp, passes, cp)
     compute = sum(gpu)
     ops, host_micro, step_ops = host_costs(s, quant, s.shape.layers // pp, passes)

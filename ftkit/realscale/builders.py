@@ -31,7 +31,7 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
         if args.quant == "nf4":
             quantize_meta(model, dtype)
         if args.grad_checkpointing:
-            lora.checkpoint_activations(model)
+            lora.checkpoint_activations(model, checkpointing=args.checkpointing)
         model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
         counts = models.parameter_counts(model)
         if args.quant == "nf4":
@@ -42,7 +42,7 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
         from torch.distributed.tensor.parallel import parallelize_module
 
         if args.grad_checkpointing:
-            lora.checkpoint_activations(model)
+            lora.checkpoint_activations(model, checkpointing=args.checkpointing)
         model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
         model = lora.adapters_compute_in(model, dtype)
         counts = models.parameter_counts(model)
@@ -53,14 +53,14 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
             p.requires_grad_("lora_" in name)
     elif technique == "cp":  # as experiments/cp-ft/train.py: the whole bf16 base, checkpointing, PEFT
         if args.grad_checkpointing:
-            lora.checkpoint_activations(model)
+            lora.checkpoint_activations(model, checkpointing=args.checkpointing)
         model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
         model = lora.adapters_compute_in(model, dtype)
         counts = models.parameter_counts(model)
     elif technique == "pp":  # as experiments/pp-ft/train.py (prepare.load_lora_model): checkpointing, PEFT; its stages
         # are cut from the model once it has storage (`pipeline`), as the script cuts them from the loaded model
         if args.grad_checkpointing:
-            lora.checkpoint_activations(model)
+            lora.checkpoint_activations(model, checkpointing=args.checkpointing)
         model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
         model = lora.adapters_compute_in(model, dtype)
         counts = models.parameter_counts(model)
@@ -68,16 +68,14 @@ def build(technique: str, script, args, world: int, device: torch.device, layers
         import torch.distributed as dist
 
         if args.grad_checkpointing:
-            lora.checkpoint_activations(model)
+            lora.checkpoint_activations(model, checkpointing=args.checkpointing)
         model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
         counts = models.parameter_counts(model)
         script.parallelize(model, world, 0, dist.group.WORLD, args.sequence_parallel)
     else:  # as experiments/single-gpu-ft and ddp-ft/train.py
         if args.quant == "nf4":
             quantize_meta(model, dtype)
-        model = lora.freeze_base(
-            model, args.grad_checkpointing, reentrant=getattr(args, "reentrant_checkpointing", False)
-        )
+        model = lora.freeze_base(model, args.checkpointing, reentrant=getattr(args, "reentrant_checkpointing", False))
         model = lora.apply_lora(model, args.lora_rank, args.lora_alpha, args.lora_dropout, args.seed)
         model = lora.adapters_compute_in(model, dtype)
         counts = models.parameter_counts(model)

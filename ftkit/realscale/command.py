@@ -72,6 +72,7 @@ def add_script_flags(p: argparse.ArgumentParser) -> None:
         "the other scripts train on a bf16 base)",
     )
     g.add_argument("--no-grad-checkpointing", dest="grad_checkpointing", action="store_false")
+    g.add_argument("--checkpointing", default=None, metavar="{all,none,every-K}", help="the layers checkpointed")
 
 
 def add_harness_flags(p: argparse.ArgumentParser) -> None:

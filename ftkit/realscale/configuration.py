@@ -27,6 +27,8 @@ def script_args(script, opts: argparse.Namespace) -> argparse.Namespace:
             argv += [f"--{key.replace('_', '-')}", str(getattr(opts, key))]
     if not opts.grad_checkpointing:
         argv.append("--no-grad-checkpointing")
+    if getattr(opts, "checkpointing", None) is not None:
+        argv += ["--checkpointing", opts.checkpointing]
     if opts.schedule is not None:
         argv += ["--schedule", opts.schedule]
     if opts.technique == "pp":

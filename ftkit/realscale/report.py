@@ -55,6 +55,7 @@ def config_report(s: Setup, m: Measured) -> dict:
         "lora_alpha": args.lora_alpha,
         "lora_dropout": args.lora_dropout,
         "grad_checkpointing": args.grad_checkpointing,
+        "checkpointing": args.checkpointing,
         "steps_tracked": opts.steps,
         **({"reshard_after_forward": args.reshard_after_forward} if technique == "fsdp" else {}),
         **({"sequence_parallel": args.sequence_parallel} if technique == "tp-sp" else {}),

@@ -1,0 +1,82 @@
+"""--fit auto (ftkit/fit.py): on a GPU the run chooses its micro-batch layout and checkpointing from the memory model
+and the planner before the model loads; the walkthrough and any run that gives those flags keep them. CUDA is faked
+where the choice reads it (torch.cuda's name, memory and availability): the choice is what is tested, every rank
+makes it from the same facts."""
+
+from __future__ import annotations
+
+import runpy
+import types
+
+import pytest
+import torch
+from conftest import ROOT
+
+from ftkit import cli, data, errors, fit, hardware, ranks
+from ftkit.plan import techniques
+
+
+def fake_cuda(monkeypatch, name: str = "NVIDIA H100 80GB HBM3", memory: float = 79.1 * 2**30) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(total_memory=memory)
+    )
+
+
+def gpu_args(*argv: str):
+    parser = cli.common_parser("test", experiment="single-gpu-ft")
+    parser.add_argument("--quant", default="none")
+    return cli.resolve(parser.parse_args(["--model", "qwen3-4b-shape", *argv]))
+
+
+def test_fit_is_the_gpu_default_and_off_in_the_walkthrough(monkeypatch):
+    assert gpu_args().fit == "off"  # no CUDA here
+    fake_cuda(monkeypatch)
+    assert gpu_args().fit == "auto" and gpu_args("--fit", "off").fit == "off"
+    assert cli.resolve(cli.common_parser("t", experiment="single-gpu-ft").parse_args(["--smoke"])).fit == "off"
+    assert fit.reason_not_to_fit(gpu_args()) is None
+    for argv in (["--micro-batch-size", "4"], ["--micro-batch-tokens", "8192"], ["--no-grad-checkpointing"]):
+        assert "given" in fit.reason_not_to_fit(gpu_args(*argv)), argv
+    assert "padded rows" in fit.reason_not_to_fit(gpu_args("--no-packing"))
+
+
+@pytest.mark.parametrize("key", ["rtx4090", "h100-sxm", "h200"])
+def test_the_choice_is_the_fastest_layout_predicted_to_fit(key):
+    """Every candidate priced by the planner: the chosen one fits (memory x margin + reserve <= the GPU's) and no
+    fitting one is predicted faster."""
+    args, gpu = gpu_args(), hardware.gpu(key)
+    choice = fit.choose_for(args, gpu, gpu.memory_bytes, 1, {})
+    rows = [
+        techniques.evaluate(s, "single", {}, "none")
+        for s in fit.candidates(fit.setting(args, gpu, gpu.memory_bytes, 1))
+    ]
+    fitting = [r for r in rows if r.get("fits")]
+    assert choice["predicted"]["required_bytes"] <= gpu.memory_bytes
+    assert choice["predicted"]["tokens_per_s"] == max(r["tokens_per_s"] for r in fitting)
+    assert "a prediction" in choice["said"]
+    if key != "rtx4090":  # an 80 GB card is not filled by 2 rows with every layer checkpointed
+        assert choice["chosen"] != {"micro_batch_tokens": None, "checkpointing": "all"}
+        assert choice["predicted"]["tokens_per_s"] > choice["reference_tokens_per_s"]
+
+
+def test_global_batches_take_the_choice_before_the_model_and_record_it(monkeypatch, capsys):
+    fake_cuda(monkeypatch)
+    monkeypatch.setattr(errors, "memory_prediction", None)  # set by the choice; restored after the test
+    args = gpu_args()
+    examples = [data.Encoded(list(range(3, 40 + i)), [-100] * 30 + list(range(33, 40 + i)), False) for i in range(40)]
+    batches = fit.global_batches(args, examples)
+    chosen = args.fit_choice["chosen"]
+    assert args.micro_batch_tokens == chosen["micro_batch_tokens"] and args.checkpointing == chosen["checkpointing"]
+    assert batches.pack_to == (args.micro_batch_tokens or args.max_length)
+    assert capsys.readouterr().out.count("--fit auto: ") == 1
+    assert errors.memory_prediction == args.fit_choice["said"] in ranks.out_of_memory()
+    off = gpu_args("--micro-batch-size", "4")
+    fit.global_batches(off, examples)
+    assert off.fit_choice == {"off": "--micro-batch-size given"} and off.micro_batch_tokens is None
+
+
+def test_the_devlogs_fit_table_is_what_the_fit_chooses():
+    module = runpy.run_path(str(ROOT / "assets" / "fit_table.py"))
+    assert module["table"](module["main"]()) in (ROOT / "devlogs" / "single-gpu-ft.md").read_text()
