@@ -24,7 +24,7 @@ import torch.distributed as dist
 from conftest import ROOT
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from ftkit import attention, data, errors, models, prepare, ranks
+from ftkit import attention, data, errors, fit, models, prepare, ranks
 
 SCRIPTS = ["ddp-ft", "fsdp-ft", "tp-ft", "tp-sp-ft", "pp-ft"]
 WORLD = 2
@@ -58,6 +58,19 @@ def run_rank(script: str, rank: int, flags: list[str], monkeypatch) -> dict:
         monkeypatch.setenv(key, str(value))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    # What --fit auto reads of the GPU (ftkit/fit.py): an H100's name and memory, the same on every rank.
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: rank)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(total_memory=85e9)
+    )
+    real_choose = fit.choose_for
+
+    def choose_for(*args, **kwargs):
+        seen["fit"] = real_choose(*args, **kwargs)
+        return seen["fit"]
+
+    monkeypatch.setattr(fit, "choose_for", choose_for)
 
     def init_process_group(backend=None, **kwargs):
         seen["order"].append("init_process_group")
@@ -122,6 +135,9 @@ def test_every_rank_starts_both_backends_and_the_same_attention(script, tmp_path
     devices = [seen["load_model"][0]["device"] for seen in ranks]
     print(f"{script}: attention {attn}, built on {devices}")
     assert attn == [attention.VARLEN] * WORLD
+    # --fit auto chose the same layout on every rank, before the model (a rank that chose another would hang)
+    if script in fit.TECHNIQUE:  # pp-ft and cp-ft lay out padded rows of their own
+        assert ranks[0]["fit"]["chosen"] and all(seen["fit"] == ranks[0]["fit"] for seen in ranks)
     if script == "fsdp-ft":  # rank 0 holds the real weights in host memory, the others only shapes
         assert [d.type for d in devices] == ["cpu", "meta"]
 
