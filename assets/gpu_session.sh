@@ -29,6 +29,12 @@
 # transformers >= 5.23 wheel (WHEELS=DIR); without bitsandbytes the QLoRA runs are skipped, saying so, and part a
 # runs ddp-ft and single-gpu-ft with --quant none.
 #
+# For a machine lent ~15 minutes in all (one command of <= 10 minutes after its start-up), part b's configurations
+# are better run by assets/gpu_sweep.py: ONE process builds the model once (each run above: ~45 s) and switches
+# layout, checkpointing, LoRA dropout, the optimizer, Liger and compiled layers in place, one JSON line per
+# configuration fsynced as it ends (env, micro-benchmarks, the eager and compiled ladders, a profile, the HF rows):
+#   python3 assets/gpu_sweep.py --out $OUT/sweep      (its docstring: the wheels, --budget-s, --only; --smoke on CPU)
+#
 # Files: each part writes a new folder <part>-<what>-<device>[-N] under --out (GPU_SESSION_OUT; default
 # devlogs/runs/gpu-session-<date>-gpu/, with --smoke runs/gpu-session-<date>-smoke/), never into an existing one:
 #   env.txt      date, git commit, `nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv`, the torch
