@@ -15,11 +15,12 @@ What comes from where:
   order on the tiny Qwen3 with the scripts' own LoRA.
 - Compute: the FLOPs of each layer's backward with activation checkpointing (the recompute of its forward, then
   each projection's input gradient and its adapter's gradients, and attention), for one micro-batch of the
-  reference configuration on one rank (2 sequences of 2048 tokens), at the DDP post's ASSUMED 30% MFU on an
-  H100 (assets/ddp_comm_model.py). MFU counts the model FLOPs of ftkit/metrics.py's convention, without the
-  recompute; the step really does 1.38 times those (FlopCounterMode's count at Qwen3-4B's shape,
-  devlogs/runs/realscale/ddp-world2.json), so 30% MFU is 41% of the peak in the FLOPs drawn here, and a
-  micro-step takes the 0.25 s of the post's 1.00 s step on 2 GPUs.
+  reference configuration on one rank at its cap (2 sequences of 2048 tokens; the committed runs' micro-batches
+  averaged about half that), at the DDP post's ASSUMED 30% MFU on an H100 (assets/ddp_comm_model.py). MFU counts
+  the model FLOPs of ftkit/metrics.py's convention (the lm_head at the answer positions only), without the
+  recompute; the step really does 1.49 times those (FlopCounterMode's count at Qwen3-4B's shape,
+  devlogs/runs/realscale/ddp-world2.json, over its convention at logits), so 30% MFU is 45% of the peak in the
+  FLOPs drawn here, and such a full micro-step takes 0.23 s.
 - All-reduce: the ring's bandwidth term at PCIe Gen4's peak (ftkit/comm.py ring_wire_bytes, ftkit/hardware.py),
   as in the post's table; one bucket at a time, in order, each from the moment its last gradient is ready.
 """
@@ -116,7 +117,7 @@ def backward_segments(shape: ModelShape = QWEN3_4B, rank: int = LORA_RANK) -> li
 
 def run_over_convention() -> float:
     counted = json.loads(REALSCALE.read_text())
-    return counted["flops_counted_with_recompute"] / counted["flops_convention"]
+    return counted["flops_counted_with_recompute"] / counted["flops_convention_at_logits"]
 
 
 def timeline() -> dict:

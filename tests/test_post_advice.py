@@ -1,0 +1,341 @@
+"""The posts' advice is the planner's: every "use X when Y" the series states, run through `python -m ftkit.plan` on
+the case the post gives for it, names the technique the planner recommends there. Planner calls only (no model, no
+GPU): each decision is found in its post by a stable phrase, and the text from that phrase to the end of its bullet
+(or, in the memory post's decision tree, to the next branch) must name the recommendation."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import pytest
+from conftest import ROOT
+
+from ftkit.plan.__main__ import main
+from ftkit.plan.recommendation import label
+
+RTX4090 = ["--gpu", "rtx4090", "--link", "pcie4"]
+LONG = ["--micro-batch-size", "1"]
+
+
+@dataclass(frozen=True)
+class Decision:
+    post: str
+    phrase: str  # where the post states it (whitespace-normalized)
+    argv: tuple[str, ...]  # the planner's flags for the post's case
+    recommended: str  # the planner's recommendation, as recommendation.label writes it
+    named: tuple[str, ...]  # what the post's text from the phrase on must name
+    tokens: bool = False  # the post quotes the recommended row's predicted tokens/s there
+
+
+def d(post, phrase, argv, recommended, *named, tokens=False):
+    return Decision(post, phrase, tuple(argv.split() if isinstance(argv, str) else argv), recommended, named, tokens)
+
+
+DECISIONS = [
+    # blogs/tp-sp.md, "When to choose TP, and which script"
+    *(
+        d(
+            "tp-sp.md",
+            "The job fits a data-parallel run:",
+            ["--gpus", "2", *flags.split()],
+            "ddp-ft --quant none (dp2)",
+            "ddp-ft --quant none",
+        )
+        for flags in (
+            "--gpu h100-pcie --link pcie4",
+            "--gpu h100-pcie --link pcie4 --micro-batch-size 1",
+            "--gpu rtx4090 --link pcie4",
+            "--gpu h100-sxm --link nvlink4",
+        )
+    ),
+    d(
+        "tp-sp.md",
+        "Long sequences do not fit, but a bf16 replica does:",
+        ["--gpus", "4", *RTX4090, "--max-length", "40960", *LONG],
+        "cp-ft (dp2 x cp2)",
+        "cp-ft (dp2 x cp2)",
+        tokens=True,
+    ),
+    d(
+        "tp-sp.md",
+        "Long sequences do not fit, nor does a replica:",
+        ["--model", "Qwen/Qwen3-8B", "--gpus", "4", *RTX4090, "--max-length", "32768", *LONG, "--batch-size", "8"],
+        "tp-sp-ft (tp4)",
+        "tp-sp-ft (tp4)",
+        tokens=True,
+    ),
+    # blogs/fsdp-tp.md, "Which layout for your cluster"
+    d(
+        "fsdp-tp.md",
+        "The job fits on one GPU",
+        ["--gpus", "2", *RTX4090],
+        "ddp-ft --quant none (dp2)",
+        "ddp-ft --quant none",
+    ),
+    d(
+        "fsdp-tp.md",
+        "The job fits on one GPU",
+        ["--gpus", "16", "--nodes", "2", *RTX4090, "--batch-size", "32"],
+        "ddp-ft --quant none (dp16)",
+        "ddp-ft --quant none",
+    ),
+    d(
+        "fsdp-tp.md",
+        "Only a 4-bit replica fits, across nodes",
+        "--model Qwen/Qwen3-32B --gpus 16 --nodes 2 --batch-size 64",
+        "ddp-ft --quant nf4 (dp16)",
+        "ddp-ft --quant nf4",
+    ),
+    d(
+        "fsdp-tp.md",
+        "On one node of H100s the planner puts sharding the bf16 base first",
+        "--model Qwen/Qwen3-32B --gpus 8 --batch-size 64",
+        "fsdp-ft (dp8)",
+        "`fsdp-ft`",
+    ),
+    d(
+        "fsdp-tp.md",
+        "No replica fits, not even in 4 bits",
+        ["--model", "Qwen/Qwen3-32B", "--gpus", "8", *RTX4090],
+        "fsdp-ft (dp8)",
+        "`fsdp-ft`",
+    ),
+    d(
+        "fsdp-tp.md",
+        "No replica fits, not even in 4 bits",
+        ["--model", "Qwen/Qwen3-32B", "--gpus", "16", "--nodes", "2", *RTX4090, "--batch-size", "64"],
+        "fsdp-ft (dp16)",
+        "`fsdp-ft`",
+    ),
+    d(
+        "fsdp-tp.md",
+        "Across nodes, where TP stops at a node's GPUs",
+        "--model Qwen/Qwen3-14B --gpus 16 --nodes 2 --gpu a100-40gb --link nvlink3 --max-length 40960 "
+        "--micro-batch-size 1",
+        "fsdp-tp-ft (dp2 x tp8)",
+        "fsdp-tp-ft (dp2 x tp8)",
+        tokens=True,
+    ),
+    # blogs/what-fills-gpu-memory.md, the decision tree (each branch up to the next) and "What to run on your GPUs"
+    d(
+        "what-fills-gpu-memory.md",
+        "one GPU enough for your time budget? ──── yes",
+        "--gpus 1 --gpu h100-sxm",
+        "single-gpu-ft --quant none (1 GPU)",
+        "single-gpu-ft",
+    ),
+    d(
+        "what-fills-gpu-memory.md",
+        "no → DDP: a replica per GPU",
+        ["--gpus", "2", *RTX4090],
+        "ddp-ft --quant none (dp2)",
+        "ddp-ft",
+    ),
+    d(
+        "what-fills-gpu-memory.md",
+        "only the 4-bit replica fits, all GPUs on one node",
+        "--model Qwen/Qwen3-32B --gpus 8 --batch-size 64",
+        "fsdp-ft (dp8)",
+        "fsdp-ft",
+    ),
+    d(
+        "what-fills-gpu-memory.md",
+        "FSDP's shards fit (bf16 or 4-bit)",
+        ["--model", "Qwen/Qwen3-32B", "--gpus", "8", *RTX4090],
+        "fsdp-ft (dp8)",
+        "fsdp-ft",
+    ),
+    d(
+        "what-fills-gpu-memory.md",
+        "FSDP's shards fit (bf16 or 4-bit)",
+        ["--gpus", "8", *RTX4090, "--max-length", "40960", *LONG],
+        "fsdp-ft --quant nf4 (dp8)",
+        "fsdp-ft [--quant nf4]",
+    ),
+    d(
+        "what-fills-gpu-memory.md",
+        "a bf16 replica fits beside 1/N of them",
+        ["--gpus", "4", *RTX4090, "--max-length", "40960", *LONG],
+        "cp-ft (dp2 x cp2)",
+        "cp-ft",
+    ),
+    d(
+        "what-fills-gpu-memory.md",
+        "it does not, on one node",
+        ["--model", "Qwen/Qwen3-8B", "--gpus", "4", *RTX4090, "--max-length", "32768", *LONG, "--batch-size", "8"],
+        "tp-sp-ft (tp4)",
+        "tp-sp-ft",
+    ),
+    d(
+        "what-fills-gpu-memory.md",
+        "it does not, across nodes",
+        "--model Qwen/Qwen3-14B --gpus 16 --nodes 2 --gpu a100-40gb --link nvlink3 --max-length 40960 "
+        "--micro-batch-size 1",
+        "fsdp-tp-ft (dp2 x tp8)",
+        "fsdp-tp-ft",
+    ),
+    d(
+        "what-fills-gpu-memory.md",
+        "2 × 24 GB on PCIe 4",
+        ["--gpus", "2", *RTX4090],
+        "ddp-ft --quant none (dp2)",
+        "ddp-ft/train.py --quant none",
+    ),
+    d(
+        "what-fills-gpu-memory.md",
+        "One 80 GB GPU",
+        "--gpus 1 --gpu h100-sxm",
+        "single-gpu-ft --quant none (1 GPU)",
+        "single-gpu-ft/train.py --quant none",
+    ),
+    d(
+        "what-fills-gpu-memory.md",
+        "2 nodes × 8 H100 on InfiniBand with Qwen3-32B",
+        "--model Qwen/Qwen3-32B --gpus 16 --nodes 2 --batch-size 64",
+        "ddp-ft --quant nf4 (dp16)",
+        "ddp-ft --quant nf4",
+    ),
+    # blogs/fsdp.md, "When to pick FSDP over DDP for LoRA"
+    d(
+        "fsdp.md",
+        "The bf16 replica fits: use DDP.",
+        ["--gpus", "2", *RTX4090],
+        "ddp-ft --quant none (dp2)",
+        "ddp-ft --quant none",
+    ),
+    d(
+        "fsdp.md",
+        "The bf16 replica does not fit, and you want a bf16 base",
+        ["--model", "Qwen/Qwen3-8B", "--gpus", "2", *RTX4090],
+        "ddp-ft --quant nf4 (dp2)",
+        "ddp-ft --quant nf4",
+    ),
+    d(
+        "fsdp.md",
+        "Even the 4-bit replica does not fit: shard.",
+        ["--model", "Qwen/Qwen3-32B", "--gpus", "8", *RTX4090],
+        "fsdp-ft (dp8)",
+        "`fsdp-ft` where bf16 shards fit",
+    ),
+    d(
+        "fsdp.md",
+        "Even the 4-bit replica does not fit: shard.",
+        ["--gpus", "8", *RTX4090, "--max-length", "40960", *LONG],
+        "fsdp-ft --quant nf4 (dp8)",
+        "`fsdp-ft --quant nf4` where only 4-bit ones do",
+    ),
+    # blogs/cp.md, "What to run on two 24 GB cards"
+    d(
+        "cp.md",
+        "At the 32k cap it picks QLoRA DDP",
+        ["--gpus", "2", *RTX4090, "--max-length", "32768", *LONG, "--batch-size", "8"],
+        "ddp-ft --quant nf4 (dp2)",
+        "QLoRA DDP",
+    ),
+    d(
+        "cp.md",
+        "at 40,960 tokens it picks cp-ft",
+        ["--gpus", "2", *RTX4090, "--max-length", "40960", *LONG, "--batch-size", "8"],
+        "cp-ft (cp2)",
+        "cp-ft",
+    ),
+    d(
+        "cp.md",
+        "its pick there is still `ddp-ft --quant nf4`",
+        ["--gpus", "4", *RTX4090, "--max-length", "32768", *LONG, "--batch-size", "8"],
+        "ddp-ft --quant nf4 (dp4)",
+        "ddp-ft --quant nf4",
+        tokens=True,
+    ),
+    # blogs/pp.md, "When to use PP, and what to run"
+    d(
+        "pp.md",
+        "Below it FSDP shards them",
+        ["--model", "Qwen/Qwen3-32B", "--gpus", "8", *RTX4090],
+        "fsdp-ft (dp8)",
+        "`fsdp-ft`",
+    ),
+    # blogs/ddp.md, "What to run, and when": the planner's example cards without peer-to-peer
+    d(
+        "ddp.md",
+        "it still recommends `ddp-ft --quant none`",
+        ["--gpus", "2", *RTX4090, "--link-efficiency", "0.2"],
+        "ddp-ft --quant none (dp2)",
+        "ddp-ft --quant none",
+    ),
+]
+
+
+def normalized(text: str) -> str:
+    return " ".join(text.split())
+
+
+def statement(post: str, phrase: str) -> str:
+    """The post's text from `phrase` to the end of its paragraph or bullet, or to the decision tree's next branch."""
+    text = (ROOT / "blogs" / post).read_text()
+    blocks = [normalized(b) for b in re.split(r"\n(?=\s*- \*\*)|\n\s*\n", text)]
+    found = [b for b in blocks if phrase in b]
+    assert len(found) == 1, f"blogs/{post}: {len(found)} paragraphs state {phrase!r}"
+    return re.split(r"[├└]──", found[0][found[0].index(phrase) :])[0]
+
+
+@pytest.fixture(scope="module")
+def plans():
+    cache = {}
+
+    def run(argv: tuple[str, ...]) -> dict:
+        if argv not in cache:
+            cache[argv] = main([*argv, "--json"])
+        return cache[argv]
+
+    return run
+
+
+@pytest.mark.parametrize("decision", DECISIONS, ids=[f"{x.post}:{x.phrase[:40]}:{x.recommended}" for x in DECISIONS])
+def test_the_post_names_what_the_planner_recommends(decision, plans, capsys):
+    result = plans(decision.argv)
+    capsys.readouterr()
+    rec = result["recommendation"]
+    assert rec["technique"], rec["reason"]
+    assert label(rec) == decision.recommended, (decision.argv, rec["reason"])
+    said = statement(decision.post, decision.phrase)
+    for name in decision.named:
+        assert name in said, f"blogs/{decision.post}: {name!r} not in {said!r}"
+    if decision.tokens:
+        row = next(
+            r
+            for r in result["techniques"]
+            if (r["experiment"], r["mesh"], r["quant"]) == (rec["experiment"], rec["mesh"], rec["quant"])
+        )
+        assert f"{row['tokens_per_s']:,.0f}" in said, said
+
+
+def test_no_case_the_posts_give_recommends_a_pipeline(plans, capsys):
+    """The memory post's tree leaves PP beyond the planner's models, and the PP post says not to use it at 4B:
+    none of the cases above, nor Qwen3-4B's reference on two GPUs of either kind, gets pp-ft."""
+    cases = {x.argv for x in DECISIONS} | {("--gpus", "2", *RTX4090), ("--gpus", "2", "--gpu", "h100-sxm")}
+    picks = {argv: plans(argv)["recommendation"].get("experiment") for argv in cases}
+    capsys.readouterr()
+    assert "pp-ft" not in picks.values()
+    said = statement("what-fills-gpu-memory.md", "PP across nodes (pp-ft)")
+    assert "it recommends pp-ft in none of the cases below" in said
+
+
+def test_the_planner_figures_in_the_advice_name_their_assumptions():
+    """Every advice section that quotes the planner says what it assumes: the MFU (40% when no --host is given, as
+    in every case above) and that the host is not modelled."""
+    sections = {
+        "tp-sp.md": "## When to choose TP",
+        "fsdp-tp.md": "## Which layout for your cluster",
+        "fsdp.md": "## When to pick FSDP over DDP",
+        "what-fills-gpu-memory.md": "## The decision tree",
+        "ddp.md": "## What to run, and when",
+        "pp.md": "## When to use PP",
+    }
+    for post, heading in sections.items():
+        text = (ROOT / "blogs" / post).read_text()
+        section = normalized(text[text.index(heading) :].split("\n## ", 1)[0])
+        if post == "fsdp.md":  # its planner figures' assumptions are stated under "Where the numbers come from"
+            section = normalized(text)
+        assert "assumed 40% MFU" in section and "host not modelled" in section, post
