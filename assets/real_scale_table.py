@@ -2,7 +2,10 @@
 JSON output), as markdown, and what is covered: for every technique at world sizes 1, 2, 4 and 8, the runs'
 tracked / predicted peak (checkpointing on and off), ftkit.realscale's refusal, or that it has not been run. The
 FLOPs columns divide the counted FLOPs by `metrics.step_flops` with the lm_head at every token (the MFU convention
-until 2026-11-25) and with the lm_head at the positions the step computes logits at (the MFU convention since):
+until 2026-11-25) and with the lm_head at the positions the step computes logits at (the MFU convention since), and
+the last the counted FLOPs less the work the convention leaves out as repeated (SDPA backward's recompute of the
+scores; TP's lm_head and whole adapter halves computed on every rank: `realscale.report.flops_repeated`) by the MFU
+convention:
 
     uv run python assets/real_scale_table.py
 """
@@ -51,14 +54,16 @@ def describe(r: dict) -> str:
 
 
 def main() -> None:
+    from ftkit.realscale.report import model_flops_over_convention
+
     runs = []
     print(
         "| run | technique | world | global batch | micro-steps run | checkpointing | tracked peak GiB | predicted GiB "
         "| tracked / predicted | FLOPs counted / convention with the lm_head at every token "
         "| counted / MFU convention (the lm_head at the logits computed) "
-        "| with recompute / counted | bf16 share of matmul FLOPs |"
+        "| with recompute / counted | bf16 share of matmul FLOPs | counted less repeated work / MFU convention |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for path in sorted(RUNS.glob("*.json")):
         r = json.loads(path.read_text())
         runs.append(r)
@@ -83,6 +88,7 @@ def main() -> None:
             f"{r['flops_counted_over_convention_at_logits']:.3f}",
             f"{ratio:.3f}",
             f"{r['bf16_matmul_fraction']:.4f}",
+            f"{model_flops_over_convention(r):.3f}",
         ]
         print("| " + " | ".join(str(c) for c in cells) + " |")
     print()

@@ -28,7 +28,14 @@ from ftkit.plan import settings, techniques
 
 FIT_TOKENS = (None, 4096, 8192, 16384, 32768)  # None: --micro-batch-size rows of --max-length
 FIT_CHECKPOINTING = ("all", "every-2", "none")
-HOST = "h100-vm"  # the planner's calibrated host (plan/hosts.py), the GPU machines' host the devlog measured
+
+
+def host_for(gpu: hardware.GPU) -> str:
+    """The planner's calibrated host (plan/hosts.py) for a run on this GPU: the lent H200 machines' (h200-vm), else
+    the H100 machines' (h100-vm), the GPU machines' hosts the devlog measured."""
+    return "h200-vm" if gpu.key == "h200" else "h100-vm"
+
+
 # The experiments the fit lays out (the planner's technique names); pp-ft and cp-ft run padded rows of their own.
 TECHNIQUE = {"single-gpu-ft": "single", "ddp-ft": "ddp", "fsdp-ft": "fsdp", "tp-ft": "tp", "tp-sp-ft": "tp-sp"}
 TECHNIQUE["fsdp-tp-ft"] = "fsdp-tp"
@@ -97,7 +104,7 @@ def setting(args: argparse.Namespace, gpu: hardware.GPU, memory_bytes: float, wo
         lora_dropout=args.lora_dropout,
         layout="packed",
         compile=cli.layers_compiled(args),
-        host=HOST,
+        host=host_for(gpu),
         seed=args.seed,
         tokenizer=models.QWEN3,
     )

@@ -391,6 +391,79 @@ def test_the_planner_reproduces_the_committed_h100_runs_median_step_time(run):
     assert all(p["step_time_s"] > 1.2 * p["compute_s"] for p in steps)  # host-bound, every step
 
 
+# Issue 43: the second host, the committed H200 runs' (bf16 LoRA, single-gpu-ft, eager, 6 steps, tree 953b11d: no
+# padding mask passed, so this tree's op counts), padded (--no-packing) and packed.
+H200_RUNS = ROOT / "devlogs" / "runs" / "gpu-session-2026-11-26-gpu" / "b1-lora-h200-2"
+H200_LAYOUTS = {"lora-padded-eager": "padded", "lora-packed-eager": "packed"}
+
+
+def h200_prediction(run: str) -> tuple[list[dict], dict]:
+    """The planner's per-step prediction for a committed H200 run, from the flags `python -m ftkit.plan` takes for it
+    (its recorded configuration, its layout, the h200-vm host, the tiny tokenizer it tokenized with, its steps), and
+    the run's summary."""
+    from ftkit.plan.__main__ import parser, setting_from
+
+    summary = json.loads((H200_RUNS / run / "summary.json").read_text())
+    c = summary["config"]
+    assert (c["quant"], c["dtype"], c["compile"], c["packing"]) == (
+        "none",
+        "bf16",
+        False,
+        H200_LAYOUTS[run] == "packed",
+    )
+    argv = ["--gpu", "h200", "--gpus", "1", "--host", "h200-vm", "--layout", H200_LAYOUTS[run], "--tokenizer", "tiny"]
+    argv += ["--seed", str(c["seed"]), "--steps", str(summary["steps_run"]), "--batch-size", str(c["batch_size"])]
+    argv += ["--micro-batch-size", str(c["micro_batch_size"]), "--max-length", str(c["max_length"])]
+    argv += ["--lora-rank", str(c["lora_rank"]), "--checkpointing", "all" if c["grad_checkpointing"] else "none"]
+    p = parser()
+    s = setting_from(p, p.parse_args(argv))
+    steps = [timing.step_time(s, "single", {}, c["quant"], st) for st in layouts.layout_steps(s, 1)]
+    rows = [json.loads(line) for line in (H200_RUNS / run / "metrics.jsonl").read_text().splitlines()]
+    assert [(p["tokens"], len(p["micros"])) for p in steps] == [(r["tokens"], r["micro_batches"]) for r in rows]
+    return steps, summary
+
+
+def test_the_h200_host_calibration_is_the_committed_h200_files():
+    """HOSTS["h200-vm"], read back from the committed H200 runs: the step times it takes, the code they ran (no
+    padding mask: this tree's op counts), and its seconds per op; its kernels the H100 profile's (assumed)."""
+    run = ROOT / "devlogs" / "runs" / hosts.H200_RUN
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["hardware"]["gpu"] == "NVIDIA H200" and summary["versions"]["torch"] == "2.11.0"
+    assert "953b11d" in (run.parent / "env.txt").read_text()
+    for step, seconds in hosts.H200_HOST_STEPS.items():
+        assert rows[step - 1]["step_time_s"] == seconds and rows[step - 1]["micro_batches"] == 8
+    fewest = sorted(rows[1:], key=lambda r: r["tokens"])[:2]  # steps 2-6: the two of fewest real tokens
+    assert sorted(r["step"] for r in fewest) == sorted(hosts.H200_HOST_STEPS)
+    ops = 8 * (191 + 36 * 1430) + (24 + 36 * 98 + 673)
+    assert ops == 417593 == hosts._H200_STEP_OPS
+    host = hosts.HOSTS["h200-vm"]
+    assert host["op_s"] == pytest.approx((4.084021240234375 + 3.79883251953125) / 2 / ops, rel=1e-12)
+    assert host["op_s"] * 1e6 == pytest.approx(9.44, abs=0.005)
+    assert host["kernel_mfu"] == hosts.HOSTS["h100-vm"]["kernel_mfu"]
+    # the steps it takes are host-bound: the GPU's predicted share well under half of each
+    steps, _ = h200_prediction("lora-padded-eager")
+    assert all(steps[step - 1]["compute_s"] < 0.4 * seconds for step, seconds in hosts.H200_HOST_STEPS.items())
+
+
+@pytest.mark.parametrize("run", list(H200_LAYOUTS))
+def test_the_planner_reproduces_the_committed_h200_runs_median_step_time(run):
+    """The H200 runs' median step time (the summary's: steps 2-6) within 25%, from the h200-vm host: the padded run
+    it was calibrated on (other steps of), and the packed run it was not (4 and 8 micro-batches a step)."""
+    steps, summary = h200_prediction(run)
+    predicted = statistics.median(p["step_time_s"] for p in steps[1:])
+    assert predicted == pytest.approx(summary["median_step_time_s"], rel=0.25), (predicted, run)
+    assert all(p["step_time_s"] >= p["compute_s"] for p in steps)  # the host at least as slow: the full steps tie
+
+
+def test_the_hosts_are_the_planners_choices(capsys):
+    """--host takes every calibrated host; the H200's says where its numbers come from."""
+    main(["--gpus", "1", "--gpu", "h200", "--host", "h200-vm", "--layout", "padded", "--steps", "2"])
+    out = capsys.readouterr().out
+    assert "9.44 us per op (calibrated: the committed H200 runs' host" in out
+    assert "(the H100 profile's eager kernels, assumed: no H200 profile is committed)" in out
+
+
 def test_packed_and_compiled_steps_are_predicted_faster_and_say_what_they_assume(capsys):
     """On the H100's host, the scripts' packed layout (fewer micro-batches) and then compiled decoder layers (far fewer
     launches per micro-batch) are predicted faster than today's padded eager step, and the output says it is a

@@ -108,10 +108,12 @@ def parser() -> argparse.ArgumentParser:
         "--host",
         choices=list(HOSTS),
         default=None,
-        help="model the host's cost per micro-batch, calibrated on the committed H100 runs' host [not modelled]",
+        help="model the host's cost per micro-batch, calibrated on the committed H100 (h100-vm) or H200 (h200-vm) "
+        "runs' host [not modelled]",
     )
     p.add_argument("--host-op-us", type=float, default=None, help="microseconds per host op [--host's calibration]")
     p.add_argument("--seed", type=int, default=0, help="the global batches' seed, for the AMI layouts")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps predicted, for the AMI layouts [one epoch]")
     p.add_argument(
         "--tokenizer",
         choices=list(AMI_LENGTHS),
@@ -167,6 +169,7 @@ def setting_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> Settin
         host_op_s=None if args.host_op_us is None else args.host_op_us * 1e-6,
         seed=args.seed,
         tokenizer=args.tokenizer,
+        steps=args.steps,
     )
 
 

@@ -1,5 +1,6 @@
 """The host's cost per micro-batch (issue 30): the ops it dispatches, counted, times a cost per op calibrated on the
-committed H100 runs; and the GPU kernels' fraction of the dense bf16 peak, calibrated on the same profile."""
+committed H100 runs (h100-vm) or H200 runs (h200-vm, issue 43); and the GPU kernels' fraction of the dense bf16 peak,
+calibrated on the H100 profile."""
 
 from __future__ import annotations
 
@@ -80,13 +81,43 @@ NF4_PASS_S = (
     - H100_SESSION1_MEDIANS["gpu-4b-shape-lora-bf16-fp32-adapters"]
     - _SESSION1_EXTRA_OPS * _H100_OP_S
 ) / (8 * 7 * 36 * 3)
+# The second host (issue 43): the committed H200 runs' (devlogs/runs/gpu-session-2026-11-26-gpu, b1-lora-h200-2:
+# bf16 LoRA, single-gpu-ft, eager, 6 steps, torch 2.11, transformers 5.23 as the lock's). They ran 953b11d (and its
+# model-building fixes), whose step passes no padding mask (`git show 953b11d:experiments/single-gpu-ft/train.py`:
+# input_ids, position_ids where packed, logits_to_keep): this tree's step, so this tree's counts (HOST_OPS, the
+# padded checkpointed row at 36 layers: 191 + 36 x 1,430 = 51,671 per micro-batch; per step HOST_OPS_PER_STEP at 36
+# layers with PROFILE_RESIDUAL_PER_STEP, 4,225).
+# - seconds per op: the padded run (`--no-packing`: 8 micro-batches of 2 rows every step, 417,593 ops a step), its
+#   two steps of fewest tokens (4 and 6: 13,112 and 13,143 real tokens, the GPU busy about 1.5 s of their 4 at the
+#   H100's kernel fraction, so host-bound with the widest margin; the steps of 28-33 k tokens took 4.5 s, more than
+#   the host's 3.9), their mean step time over those ops: 9.44 us, against the H100 host's 13.2. The packed run
+#   (`--no-compile`), not used for it, checks it (tests/test_plan.py);
+# - the kernels' fraction of the dense bf16 peak: no H200 profile is committed, so the H100 profile's (above; the
+#   H200's dense bf16 peak is the H100's, 989 TFLOP/s): an assumption, not a measurement.
+H200_RUN = "gpu-session-2026-11-26-gpu/b1-lora-h200-2/lora-padded-eager"
+H200_HOST_STEPS = {4: 4.084021240234375, 6: 3.79883251953125}  # step: step_time_s, its metrics.jsonl
+_H200_STEP_OPS = (
+    8 * (HOST_OPS["padded", "none", True, False][0] + 36 * HOST_OPS["padded", "none", True, False][1])
+    + HOST_OPS_PER_STEP[0]
+    + 36 * HOST_OPS_PER_STEP[1]
+    + PROFILE_RESIDUAL_PER_STEP
+)
+_H100_KERNEL_MFU = H100_STEP2_FLOPS / (H100_STEP2["gpu_busy_s"] * H100_PEAK_FLOPS)
 HOSTS = {
     "h100-vm": dict(
         op_s=_H100_OP_S,
-        kernel_mfu=H100_STEP2_FLOPS / (H100_STEP2["gpu_busy_s"] * H100_PEAK_FLOPS),
+        kernel_mfu=_H100_KERNEL_MFU,
+        kernels="calibrated on the same profile, eager kernels",
         source="the committed H100 runs' host (a Firecracker VM, 16 cores of an unnamed Intel Xeon; torch 2.11): "
         "devlogs/runs/single-gpu-ft-gpu/profile-lora-bf16-step2-ops.txt, devlogs/runs/single-gpu-ft/"
         "gpu-4b-shape-lora-bf16/metrics.jsonl (step 2)",
+    ),
+    "h200-vm": dict(
+        op_s=sum(H200_HOST_STEPS.values()) / len(H200_HOST_STEPS) / _H200_STEP_OPS,
+        kernel_mfu=_H100_KERNEL_MFU,  # no H200 profile: the H100's, assumed
+        kernels="the H100 profile's eager kernels, assumed: no H200 profile is committed",
+        source="the committed H200 runs' host (a Firecracker VM, 16 cores of an unnamed Intel Xeon; torch 2.11): "
+        f"devlogs/runs/{H200_RUN}/metrics.jsonl (steps 4 and 6); kernels: the H100 profile's fraction, assumed",
     ),
 }
 

@@ -140,7 +140,7 @@ def prediction_notes(s: Setting, rows: list[dict]) -> list[str]:
         )
     else:
         notes.append("host: not modelled (its cost 0; --host h100-vm models the committed H100 runs' host)")
-    source = "calibrated on the same profile, eager kernels" if s.host and s.mfu is None else "assumed (--mfu)"
+    source = HOSTS[s.host]["kernels"] if s.host and s.mfu is None else "assumed (--mfu)"
     if not s.host and s.mfu is None:
         source = "assumed"
     notes.append(
