@@ -44,8 +44,8 @@ measure cpu-zbv-m8-no-ckpt --schedule zbv --microbatches 8 --no-grad-checkpointi
 measure cpu-interleaved-m8-no-ckpt --schedule interleaved-1f1b --microbatches 8 --no-grad-checkpointing
 $PY assets/devlog_tables.py pp-ft
 R=devlogs/runs/pp-ft
-$PY assets/pp_timeline.py "$R/cpu-gpipe-m8" "$R/cpu-1f1b-m8" "$R/cpu-interleaved-m8" "$R/cpu-zbv-m8-no-ckpt" \
-    "$R/cpu-zbv-m8" --out assets/pp_timeline.png \
+$PY assets/pp_timeline.py "$R/cpu-gpipe-m8" "$R/cpu-1f1b-m8" "$R/cpu-interleaved-m8" "$R/cpu-interleaved-m8-no-ckpt" \
+    "$R/cpu-zbv-m8-no-ckpt" "$R/cpu-zbv-m8" --out assets/pp_timeline.png \
     --devlog devlogs/pp-ft.md --table "$R"/cpu-gpipe-m2 "$R"/cpu-gpipe-m8 "$R"/cpu-1f1b-m2 "$R"/cpu-1f1b-m8 \
     "$R"/cpu-interleaved-m2 "$R"/cpu-interleaved-m8 "$R"/cpu-interleaved-zb-m8 "$R"/cpu-zbv-m8 "$R"/cpu-dualpipev-m8 \
     "$R"/cpu-interleaved-m8-no-ckpt "$R"/cpu-zbv-m8-no-ckpt

@@ -84,6 +84,34 @@ def test_each_title_is_the_runs_bubble_and_the_formula(run):
     assert row["checkpointing"] == config["grad_checkpointing"] == (not run.endswith("-no-ckpt"))
 
 
+# What blogs/pp.md compares, as it quotes it, and the run each figure is from: every compared run is a row of the
+# figure, so the reader sees the panels the text compares (ZBV against interleaved 1F1B, both without checkpointing).
+COMPARED = {
+    "GPipe 0.198": "cpu-gpipe-m8",
+    "1F1B 0.166": "cpu-1f1b-m8",
+    "Without checkpointing, ZBV idles 0.167": "cpu-zbv-m8-no-ckpt",
+    "interleaved 1F1B idles 0.207": "cpu-interleaved-m8-no-ckpt",
+}
+
+
+@pytest.mark.parametrize("quoted, run", COMPARED.items())
+def test_the_figure_draws_the_runs_the_post_compares(quoted, run):
+    post = " ".join((ROOT / "blogs" / "pp.md").read_text().split())
+    assert quoted in post, quoted
+    summary = json.loads((pp_timeline.RUNS / run / "summary.json").read_text())
+    assert f"{summary['bubble']:.3f}" == quoted.rsplit(" ", 1)[1], (run, summary["bubble"])
+    assert run in pp_timeline.FIGURE_RUNS, f"blogs/pp.md compares {run}, which the figure does not draw"
+
+
+def test_the_compared_zero_bubble_pair_shares_its_checkpointing():
+    config = {
+        run: json.loads((pp_timeline.RUNS / run / "summary.json").read_text())["config"] for run in COMPARED.values()
+    }
+    assert (
+        config["cpu-zbv-m8-no-ckpt"]["grad_checkpointing"] is config["cpu-interleaved-m8-no-ckpt"]["grad_checkpointing"]
+    )
+
+
 def test_the_devlogs_bubble_table_is_the_runs():
     table_runs = re.search(r"--table (.*?)$", RUNS_SH, re.S).group(1)
     runs = [pp_timeline.RUNS / name for name in re.findall(r'"\$R"/([\w-]+)', table_runs)]
