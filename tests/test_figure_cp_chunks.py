@@ -206,7 +206,7 @@ def test_the_posts_numbers_are_their_sources(fig, post):
     for gpu in ("rtx4090", "h100-sxm"):
         assumed = fig["planned"](gpu)["assumptions"]
         assert (assumed["mfu"], assumed["link_efficiency"]) == (0.4, 0.8)
-    says("assumes 40% MFU and links at 80% of their bandwidth")
+    says("assumes 40% MFU, links at 80% of their bandwidth and the host not modelled")
     nf4 = predict(QWEN3_4B, quant="nf4", micro_batch_size=1, seq_len=32768, lora_dropout=0.05, logit_positions=256)
     assert round((single.weights - nf4.weights) / GIB) == 5
     says("A 4-bit base saves 5 GiB")
