@@ -29,15 +29,40 @@ class GPU:
     memory_bytes: float
     hbm_bytes_per_s: float  # memory bandwidth (GDDR on the L4/L40/Ada/GeForce/RTX rows)
     source: str
+    # The link between the GPUs of one node as the card is built: NVLink on the SXM boards, PCIe for a card in a
+    # slot (the NVLink bridges of H100 NVL and RTX A6000 join two cards only, so a node of more goes over PCIe).
+    link: str = "pcie4"
 
 
 GB = 1e9
 GPUS = [
-    GPU("h200", ("NVIDIA H200",), 989e12, 141 * GB, 4.8e12, "NVIDIA H200 Tensor Core GPU datasheet (SXM)"),
-    GPU("h100-pcie", ("NVIDIA H100 PCIe",), 756e12, 80 * GB, 2.0e12, "NVIDIA H100 Tensor Core GPU datasheet (PCIe)"),
-    GPU("h100-nvl", ("NVIDIA H100 NVL",), 835e12, 94 * GB, 3.9e12, "NVIDIA H100 Tensor Core GPU datasheet (NVL)"),
+    GPU("h200", ("NVIDIA H200",), 989e12, 141 * GB, 4.8e12, "NVIDIA H200 Tensor Core GPU datasheet (SXM)", "nvlink4"),
     GPU(
-        "h100-sxm", ("NVIDIA H100 80GB HBM3",), 989e12, 80 * GB, 3.35e12, "NVIDIA H100 Tensor Core GPU datasheet (SXM5)"
+        "h100-pcie",
+        ("NVIDIA H100 PCIe",),
+        756e12,
+        80 * GB,
+        2.0e12,
+        "NVIDIA H100 Tensor Core GPU datasheet (PCIe)",
+        "pcie5",
+    ),
+    GPU(
+        "h100-nvl",
+        ("NVIDIA H100 NVL",),
+        835e12,
+        94 * GB,
+        3.9e12,
+        "NVIDIA H100 Tensor Core GPU datasheet (NVL)",
+        "pcie5",
+    ),
+    GPU(
+        "h100-sxm",
+        ("NVIDIA H100 80GB HBM3",),
+        989e12,
+        80 * GB,
+        3.35e12,
+        "NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
+        "nvlink4",
     ),
     # Every A100 has the same tensor peak, 312 TFLOP/s bf16 dense (624 with sparsity): the PCIe cards' is the SXM's
     # on the datasheet, though their lower power limit (300 W against 400 W) may hold a long step further below it.
@@ -48,6 +73,7 @@ GPUS = [
         80 * GB,
         2.039e12,
         "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)",
+        "nvlink3",
     ),
     GPU(
         "a100-40gb",
@@ -56,6 +82,7 @@ GPUS = [
         40 * GB,
         1.555e12,
         "NVIDIA A100 Tensor Core GPU datasheet, 2020 edition (40GB SXM)",
+        "nvlink3",
     ),
     GPU(
         "a100-80gb-pcie",

@@ -646,3 +646,17 @@ def test_checkpointing_every_other_layer_lies_between_all_and_none_in_memory_and
     ]
     assert ops[0] > ops[1] > ops[2] and ops[3] > ops[4] > ops[5] and ops[0] == 280 + 1498 * 36
     assert settings.run_flags({"checkpointing": "every-3", "grad_checkpointing": True})["checkpoint_every"] == 3
+
+
+def test_the_link_between_a_nodes_gpus_defaults_to_the_one_the_card_is_built_with():
+    """Without --link, a node of PCIe cards is planned over PCIe, not over the NVLink of an SXM board: a reader who
+    names only --gpu rtx4090 must not get NVLink's all-reduce times."""
+    from ftkit.plan.__main__ import parser, setting_from
+
+    p = parser()
+    expected = {"h100-sxm": "nvlink4", "h200": "nvlink4", "a100-40gb": "nvlink3", "h100-pcie": "pcie5"}
+    expected |= {"rtx4090": "pcie4", "l40s": "pcie4", "a100-80gb-pcie": "pcie4"}
+    for gpu, link in expected.items():
+        assert setting_from(p, p.parse_args(["--gpus", "2", "--gpu", gpu])).link.key == link, gpu
+    chosen = setting_from(p, p.parse_args(["--gpus", "2", "--gpu", "rtx4090", "--link", "nvlink3"]))
+    assert chosen.link.key == "nvlink3"

@@ -66,7 +66,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu", default="h100-sxm", choices=[g.key for g in hardware.GPUS])
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="[the GPU's datasheet memory]")
-    p.add_argument("--link", default="nvlink4", choices=list(hardware.LINKS), help="between the GPUs of a node")
+    p.add_argument(
+        "--link",
+        choices=list(hardware.LINKS),
+        help="between the GPUs of a node [the GPU's own: NVLink on SXM, else PCIe]",
+    )
     p.add_argument("--inter-node-link", default="ib-ndr", choices=list(hardware.LINKS))
     p.add_argument("--batch-size", type=int, default=16, help="global batch, sequences")
     p.add_argument("--micro-batch-size", type=int, default=2)
@@ -153,7 +157,7 @@ def setting_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> Settin
         gpu=gpu,
         gpus=args.gpus,
         nodes=args.nodes,
-        link=hardware.LINKS[args.link],
+        link=hardware.LINKS[args.link or gpu.link],
         inter_node_link=hardware.LINKS[args.inter_node_link],
         memory_bytes=args.gpu_memory_gib * GIB if args.gpu_memory_gib else gpu.memory_bytes,
         reserve_bytes=args.reserve_gib * GIB,
