@@ -88,13 +88,12 @@ def default_mesh(args: argparse.Namespace) -> dict[str, int]:
 
 def setting(args: argparse.Namespace, gpu: hardware.GPU, memory_bytes: float, world: int) -> settings.Setting:
     """The planner's Setting for this run on its GPU: its flags, the shipped AMI batches in Qwen3's tokens."""
-    link = hardware.LINKS["nvlink4" if gpu.memory_bytes >= 80e9 else "pcie4"]
     return settings.Setting(
         config=settings.model_config(args.model),
         gpu=gpu,
         gpus=world,
         nodes=1,
-        link=link,
+        link=hardware.LINKS[gpu.link],
         inter_node_link=hardware.LINKS["ib-ndr"],
         memory_bytes=memory_bytes,
         batch_size=args.batch_size,
