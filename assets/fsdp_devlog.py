@@ -47,7 +47,9 @@ def table() -> str:
         s = json.loads((run / "summary.json").read_text())
         metrics, ref = rows(run), reference(s)
         diff = max(abs(a["loss"] - b["loss"]) for a, b in zip(metrics, ref)) if ref else None
-        lost = [r["lost_update_fraction"] for r in metrics if r["lr"] > 0 and "lost_update_fraction" in r]
+        # Step 1 runs at lr 0 (the warmup starts there) and can lose nothing. The step number says so, not the
+        # logged lr: runs from before 2a33c74 log the next step's.
+        lost = [r["lost_update_fraction"] for r in metrics if r["step"] > 1 and "lost_update_fraction" in r]
         lines.append(
             f"| `{run.name}` | {s['fsdp_units']} | {s['param_shard_bytes']:,} | {s['largest_unit_bytes']:,} "
             f"| {per_step(s, 'all_gather', 'bytes')} ({s['theory_all_gather_bytes']:,}) "
