@@ -5,10 +5,11 @@ The baseline of the series. Every other experiment computes this same training s
     uv run python experiments/single-gpu-ft/train.py --smoke                           # CPU, tiny Qwen3
     uv run python experiments/single-gpu-ft/train.py --quant none    # bf16 LoRA: the FSDP/TP/PP reference
 
-One optimizer step = one global batch of --batch-size sequences, run as --batch-size / --micro-batch-size
-micro-batches whose gradients accumulate. The loss is the sum of token losses divided by the target tokens
-of the *whole* global batch, so accumulation (and, later, any split across GPUs) gives the gradient of the
-one big batch - not an average of per-micro-batch means, which would weight short answers more.
+One optimizer step = one global batch of --batch-size sequences, run as micro-batches (of --micro-batch-size
+packed or padded rows, or one row of --micro-batch-tokens positions) whose gradients accumulate. The loss is the
+sum of token losses divided by the target tokens of the *whole* global batch, so accumulation (and, later, any
+split across GPUs) gives the gradient of the one big batch - not an average of per-micro-batch means, which would
+weight short answers more.
 """
 
 from __future__ import annotations
