@@ -1,4 +1,4 @@
-"""Pipeline-parallel LoRA: finetune Qwen3-4B with its decoder layers split into stages, one GPU per stage.
+"""Pipeline-parallel LoRA: finetune Qwen3-4B with its decoder layers split into stages, one or two per GPU.
 
 The single-GPU step, cut by depth: rank r holds a contiguous slice of the layer stack (the embedding on the first
 stage, the final norm and lm_head on the last), and the global batch flows through the stages as micro-batches,
@@ -161,7 +161,7 @@ def pipeline_stage(module: Stage, sid: int, n_stages: int, device, args, config)
 
 def main() -> None:
     args = parse_args()
-    # ---- process group: one process per GPU; each owns one pipeline stage (two with interleaved 1F1B).
+    # ---- process group: one process per GPU; each owns one pipeline stage (two but with GPipe and 1F1B).
     device = ranks.device_for(args, ranks.torchrun_local_rank())
     ranks.share_cpu_cores(device)
     world = int(os.environ["WORLD_SIZE"])
