@@ -4,6 +4,7 @@ three settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import statistics
@@ -660,3 +661,14 @@ def test_the_link_between_a_nodes_gpus_defaults_to_the_one_the_card_is_built_wit
         assert setting_from(p, p.parse_args(["--gpus", "2", "--gpu", gpu])).link.key == link, gpu
     chosen = setting_from(p, p.parse_args(["--gpus", "2", "--gpu", "rtx4090", "--link", "nvlink3"]))
     assert chosen.link.key == "nvlink3"
+
+
+def test_a_pick_made_because_the_batch_does_not_divide_says_so():
+    """16 GPUs at the default global batch of 16: the data-parallel layouts need a multiple of 2 x 16, so they are
+    refused for the batch, not the technique, and the recommendation names them (at 32 they are priced)."""
+    s = setting(gpus=16, nodes=2, gpu=hardware.gpu("rtx4090"), link=hardware.LINKS["pcie4"])
+    refused = recommendation.plan(s)
+    assert row(refused, "ddp-ft", quant="none")["batch_refused"]
+    assert "does not divide over their ranks: ddp-ft, fsdp-ft" in refused["recommendation"]["reason"]
+    priced = recommendation.plan(dataclasses.replace(s, batch_size=32))
+    assert row(priced, "ddp-ft", quant="none")["fits"] and "not priced" not in priced["recommendation"]["reason"]

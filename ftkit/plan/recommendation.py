@@ -54,6 +54,14 @@ def recommend(rows: list[dict], s: Setting) -> dict:
     limits = sorted((r for r in rows if r.get("refused") is None and not r["fits"]), key=lambda r: r["experiment"])
     if limits:
         reason += "; does not fit: " + ", ".join(label(r) for r in limits)
+    unpriced = [
+        EXPERIMENTS[t] for t in SIMPLER_FIRST if any(r["technique"] == t for r in rows if r.get("batch_refused"))
+    ]
+    if unpriced:  # a pick by elimination: the refused ones may be faster at a batch that divides
+        reason += (
+            f"; not priced because --batch-size {s.batch_size} does not divide over their ranks: "
+            f"{', '.join(unpriced)} (their rows name a batch that does)"
+        )
     return {
         "technique": pick["technique"],
         "experiment": pick["experiment"],

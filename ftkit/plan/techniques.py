@@ -93,9 +93,12 @@ def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> di
                 raise ValueError(CP_LAYOUT)
         if shape.layers % pp:
             raise ValueError(f"{pp} pipeline stages do not divide the model's {shape.layers} layers evenly")
-        accum = batching.accumulation_steps(s.batch_size, 1 if s.micro_batch_tokens else s.micro_batch_size, dp)
     except (ValueError, errors.RunError, errors.DataError) as e:
         return {**row, "refused": str(e)}
+    try:
+        accum = batching.accumulation_steps(s.batch_size, 1 if s.micro_batch_tokens else s.micro_batch_size, dp)
+    except errors.DataError as e:  # the global batch, not the technique: the recommendation says so
+        return {**row, "refused": str(e), "batch_refused": True}
     try:
         steps = [step_time(s, technique, mesh, quant, step) for step in layout_steps(s, dp)]
     except ValueError as e:  # no op count for this setting's host (host_ops_per_micro says which)
