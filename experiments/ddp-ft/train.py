@@ -6,8 +6,9 @@ and DistributedDataParallel averages the LoRA gradients over the ranks during ba
     uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --smoke            # CPU, gloo
     uv run torchrun --nproc_per_node=2 experiments/ddp-ft/train.py --smoke --sync-every-micro-step  # a misconfiguration
 
-One optimizer step = one global batch of --batch-size sequences, run as --batch-size / (--micro-batch-size x
-ranks) micro-batches per rank whose gradients accumulate locally (`no_sync`) and are all-reduced once. The loss
+One optimizer step = one global batch of --batch-size sequences, packed into rows of up to --max-length and run
+as micro-batches of --micro-batch-size rows per rank (with --no-packing, --batch-size / (--micro-batch-size x
+ranks) of them) whose gradients accumulate locally (`no_sync`) and are all-reduced once. The loss
 is the sum of token losses divided by the target tokens of the *whole* global batch, on every rank, so the
 averaged gradient is the gradient of the one big batch - not an average of per-rank means, which would weight
 the rank with the short answers more. The flags under "misconfigurations" reproduce common ways to set DDP up
