@@ -12,14 +12,14 @@ them assumes an MFU, stated in the table; it is an assumption, not a measurement
 
 from __future__ import annotations
 
-import json
 import statistics
-from pathlib import Path
+from types import SimpleNamespace
 
 from transformers import Qwen3Config
 
-from ftkit import comm, hardware, metrics, models
+from ftkit import batching, comm, hardware, metrics, models
 from ftkit.memory import ModelShape, lora_params
+from ftkit.plan import layouts
 
 # The links, from ftkit/hardware.py (each with its datasheet): peak bandwidth per direction, one GPU's link into
 # the all-reduce. The full finetune's row leaves out InfiniBand, whose time is the LoRA row's scaled.
@@ -31,25 +31,24 @@ LINKS = {
 ASSUMED_MFU = 0.3
 H100_BF16 = hardware.gpu("h100-sxm").bf16_flops
 SEQ, GLOBAL_BATCH, LORA_RANK = 2048, 16, 16  # the real run's defaults (ftkit/cli.py REAL)
-# The committed H100 run of the reference batch: 20 steps of 16 sequences cut at SEQ tokens, most far shorter.
-RUN = Path(__file__).resolve().parents[1] / "devlogs" / "runs" / "single-gpu-ft" / "gpu-4b-shape-lora-bf16"
+STEPS = 20  # the first 20 optimizer steps, as many as the committed H100 runs made
 
 
-def run_steps(config) -> list[dict]:
-    """Each step of the committed H100 run: its real tokens, its answer tokens, and its model FLOPs by today's
-    convention (ftkit/metrics.py: the lm_head at the answer positions only). The run recorded MFU by the convention
-    of its day, the lm_head at every real token: its FLOPs are mfu x step time x peak, less the lm_head's 4 FLOPs
-    per weight at the real tokens that are not answers."""
-    peak = json.loads((RUN / "summary.json").read_text())["peak_flops"]
-    lm_head = config.vocab_size * config.hidden_size
-    rows = [json.loads(line) for line in (RUN / "metrics.jsonl").read_text().splitlines() if line.strip()]
+def reference_steps(config, lora: int) -> list[dict]:
+    """The reference configuration's first STEPS global batches in Qwen3's tokens (the scripts' batching.GlobalBatches
+    at seed 0, packed into rows of SEQ, over the AMI examples the scripts keep at SEQ: ftkit/ami_lengths.json): each
+    step's real tokens, answer tokens, and model FLOPs by ftkit/metrics.py's convention (the lm_head at the answer
+    positions only). Counted here rather than read from the committed H100 runs, which tokenized with the tiny
+    tokenizer (they predate --tokenizer)."""
+    examples = [SimpleNamespace(input_ids=range(n), n_target=t) for n, t in layouts.ami_examples(SEQ)]
+    batches = batching.GlobalBatches(examples, GLOBAL_BATCH, seed=0, pack_to=SEQ)
     return [
         dict(
-            tokens=r["tokens"],
-            answers=r["target_tokens"],
-            flops=r["mfu"] * r["step_time_s"] * peak - 4 * lm_head * (r["tokens"] - r["target_tokens"]),
+            tokens=batches.n_tokens(step),
+            answers=batches.n_target(step),
+            flops=metrics.step_flops(batches.lengths(step), config, lora, logit_positions=batches.n_target(step)),
         )
-        for r in rows
+        for step in range(STEPS)
     ]
 
 
@@ -62,7 +61,7 @@ def main() -> None:
         f"full finetune gradients, bf16 ({shape.n_params():,} params)": shape.n_params() * 2,
     }
     # One optimizer step of the real run, on average: its sequences are cut at SEQ tokens, not SEQ long.
-    steps = run_steps(config)
+    steps = reference_steps(config, lora)
     flops = statistics.mean(s["flops"] for s in steps)
     tokens, answers = (statistics.mean(s[k] for s in steps) for k in ("tokens", "answers"))
     cap = metrics.step_flops([SEQ] * GLOBAL_BATCH, config, lora, logit_positions=GLOBAL_BATCH * 256)
@@ -77,7 +76,8 @@ def main() -> None:
             head = f"| {what} | {size / 2**20:,.0f} |" if j == 0 else "| | |"
             print(f"{head} {name}, {link.bytes_per_s / 1e9:g} GB/s | {cells[0]} | {cells[1]} |")
     print(
-        f"\nCompute per optimizer step: the committed H100 run's {len(steps)} steps of {GLOBAL_BATCH} sequences cut at "
+        f"\nCompute per optimizer step: the reference configuration's first {len(steps)} steps (Qwen3's tokens) of "
+        f"{GLOBAL_BATCH} sequences cut at "
         f"{SEQ} tokens averaged {tokens:,.0f} real tokens ({answers:,.0f} answers), {flops:.3g} model FLOPs by the MFU "
         f"convention of ftkit/metrics.py ({cap:.3g} if every sequence were {SEQ} long with 256 answers), at an "
         f"ASSUMED {ASSUMED_MFU:.0%} MFU on H100s ({H100_BF16:.3g} FLOP/s bf16 peak):\n"
