@@ -210,6 +210,11 @@ LINKS = {
         Link("pcie4", 31.5e9, 10e-6, "PCI-SIG PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b encoding, per direction"),
         Link("ib-ndr", 50e9, 5e-6, "NVIDIA ConnectX-7: InfiniBand NDR 400 Gb/s, one adapter per GPU (DGX H100)"),
         Link("ib-hdr", 25e9, 5e-6, "NVIDIA ConnectX-6: InfiniBand HDR 200 Gb/s, one adapter per GPU (DGX A100)"),
+        # Ethernet between nodes of PCIe cards: one NIC per node serves a ring, which crosses each node's link once
+        # each way. NCCL's socket transport over TCP: the latency is an assumed order of magnitude.
+        Link("eth-100g", 12.5e9, 30e-6, "IEEE 802.3 100 Gb/s Ethernet line rate, one NIC per node, per direction"),
+        Link("eth-25g", 3.125e9, 30e-6, "IEEE 802.3 25 Gb/s Ethernet line rate, one NIC per node, per direction"),
+        Link("eth-10g", 1.25e9, 30e-6, "IEEE 802.3 10 Gb/s Ethernet line rate, one NIC per node, per direction"),
     ]
 }
 

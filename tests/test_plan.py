@@ -672,3 +672,28 @@ def test_a_pick_made_because_the_batch_does_not_divide_says_so():
     assert "does not divide over their ranks: ddp-ft, fsdp-ft" in refused["recommendation"]["reason"]
     priced = recommendation.plan(dataclasses.replace(s, batch_size=32))
     assert row(priced, "ddp-ft", quant="none")["fits"] and "not priced" not in priced["recommendation"]["reason"]
+
+
+def test_a_tp_or_cp_group_wider_than_a_node_crosses_the_link_between_nodes():
+    """TP's and CP's collectives run inside a node while their group fits in one; a group of 8 over nodes of 2 GPUs
+    crosses the nodes' link, so its exposed communication grows as that link slows (and not while it fits)."""
+
+    def comm(technique: str, mesh: dict[str, int], nodes: int, between: str) -> float:
+        s = setting(gpus=8, nodes=nodes, link=hardware.LINKS["pcie4"], inter_node_link=hardware.LINKS[between])
+        return techniques.evaluate(s, technique, mesh, "none")["exposed_comm_s"]
+
+    for technique, mesh in (("tp-sp", {"tp": 8}), ("tp", {"tp": 8}), ("cp", {"dp": 1, "cp": 8})):
+        assert comm(technique, mesh, 4, "eth-10g") > 10 * comm(technique, mesh, 4, "ib-ndr"), technique
+        assert comm(technique, mesh, 1, "eth-10g") == comm(technique, mesh, 1, "ib-ndr"), technique
+
+
+def test_pp_is_the_pick_where_no_gpu_holds_the_weights_and_the_nodes_share_ethernet():
+    """The textbook case for a pipeline: Qwen3-32B, no RTX 4090 holds even its 4-bit weights, and 4 nodes of 2
+    joined by 10 GbE: FSDP's weight gathers outlast the compute and TP's collectives cross the slow link, while PP
+    sends one activation per stage boundary. Over InfiniBand FSDP wins again."""
+    base = dict(config=settings.model_config("Qwen/Qwen3-32B"), gpus=8, nodes=4, gpu=hardware.gpu("rtx4090"))
+    base |= dict(link=hardware.LINKS["pcie4"], memory_bytes=hardware.gpu("rtx4090").memory_bytes)
+    slow = recommendation.plan(setting(**base, inter_node_link=hardware.LINKS["eth-10g"]))["recommendation"]
+    assert (slow["experiment"], slow["mesh"]) == ("pp-ft", {"pp": 8})
+    fast = recommendation.plan(setting(**base, inter_node_link=hardware.LINKS["ib-hdr"]))["recommendation"]
+    assert fast["experiment"] == "fsdp-ft"

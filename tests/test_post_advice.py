@@ -155,6 +155,13 @@ DECISIONS = [
     ),
     d(
         "what-fills-gpu-memory.md",
+        "but the nodes share a slow link (Ethernet)",
+        "--model Qwen/Qwen3-32B --gpus 8 --nodes 4 --gpu rtx4090 --inter-node-link eth-10g",
+        "pp-ft (pp8)",
+        "pp-ft",
+    ),
+    d(
+        "what-fills-gpu-memory.md",
         "a bf16 replica fits beside 1/N of them",
         ["--gpus", "4", *RTX4090, "--max-length", "40960", *LONG],
         "cp-ft (dp2 x cp2)",
@@ -311,15 +318,17 @@ def test_the_post_names_what_the_planner_recommends(decision, plans, capsys):
         assert f"{row['tokens_per_s']:,.0f}" in said, said
 
 
-def test_no_case_the_posts_give_recommends_a_pipeline(plans, capsys):
-    """The memory post's tree leaves PP beyond the planner's models, and the PP post says not to use it at 4B:
-    none of the cases above, nor Qwen3-4B's reference on two GPUs of either kind, gets pp-ft."""
-    cases = {x.argv for x in DECISIONS} | {("--gpus", "2", *RTX4090), ("--gpus", "2", "--gpu", "h100-sxm")}
+def test_only_the_slow_link_case_recommends_a_pipeline(plans, capsys):
+    """The memory post's tree gives PP one branch, no GPU holding the weights and nodes on Ethernet, and the PP post
+    says not to use it at 4B: no other case above, nor Qwen3-4B's reference on two GPUs of either kind, gets pp-ft."""
+    cases = {x.argv for x in DECISIONS if x.recommended != "pp-ft (pp8)"}
+    cases |= {("--gpus", "2", *RTX4090), ("--gpus", "2", "--gpu", "h100-sxm")}
     picks = {argv: plans(argv)["recommendation"].get("experiment") for argv in cases}
     capsys.readouterr()
     assert "pp-ft" not in picks.values()
-    said = statement("what-fills-gpu-memory.md", "PP across nodes (pp-ft)")
-    assert "it recommends pp-ft in none of the cases below" in said
+    assert [x.phrase for x in DECISIONS if x.recommended == "pp-ft (pp8)"] == [
+        "but the nodes share a slow link (Ethernet)"
+    ]
 
 
 def test_the_planner_figures_in_the_advice_name_their_assumptions():

@@ -106,8 +106,10 @@ def exposed_comm(
     n_lora = lora_params(shape, s.lora_rank)
     accum = len(step.micros)
     micro = busy / accum  # one micro-batch's share, the window the overlapped collectives have
-    # TP is the innermost mesh dimension (neighbouring ranks, one node); any other group spans the GPUs used.
+    # TP's and CP's groups are the innermost mesh dimension (neighbouring ranks): inside one node while they fit in
+    # one; any other group spans the GPUs used.
     spans_nodes = dp * tp * pp * cp > s.per_node
+    tp_inside, cp_inside = tp <= s.per_node, cp <= s.per_node
 
     def coll(kind: str, size: float, n: int, inside_node: bool = False) -> float:
         link = s.inter_node_link if spans_nodes and not inside_node else s.link
@@ -126,7 +128,7 @@ def exposed_comm(
         exposed += max(0.0, coll("reduce_scatter", FP32 * n_lora / tp, dp) - micro / 2)
     if technique in ("tp", "fsdp-tp"):
         per_layer = 7 + 2 * s.recomputed  # a checkpointed layer's two forward all-reduces again
-        exposed += sum(shape.layers * per_layer * coll("all_reduce", a, tp, inside_node=True) for a in activations)
+        exposed += sum(shape.layers * per_layer * coll("all_reduce", a, tp, tp_inside) for a in activations)
     if technique == "tp-sp":
         per_layer = 4 + 1.5 * s.recomputed  # in pairs: a checkpointed layer's recompute adds three halves
         replicated = (
@@ -135,19 +137,21 @@ def exposed_comm(
             * sum(n_out if name in ROW_PARALLEL else n_in for name, (n_in, n_out) in shape.linears().items())
         )
         exposed = sum(
-            shape.layers * per_layer * (coll("all_gather", a, tp, True) + coll("reduce_scatter", a, tp, True))
+            shape.layers * per_layer * (coll("all_gather", a, tp, tp_inside) + coll("reduce_scatter", a, tp, tp_inside))
             for a in activations
         )
-        exposed += coll("all_reduce", FP32 * replicated, tp, True)
+        exposed += coll("all_reduce", FP32 * replicated, tp, tp_inside)
     if technique == "cp":
         # cp-ft: per layer and micro-batch, K and V all-gathered (in forward, and again in checkpointing's recompute)
         # and their gradients reduce-scattered, each [rows, width, kv heads x head_dim] bf16 whole, on the critical
-        # path (the script does not overlap them), inside a node; then the LoRA gradients' one all-reduce over every
-        # rank, after backward.
+        # path (the script does not overlap them), inside a node where the group fits in one; then the LoRA
+        # gradients' one all-reduce over every rank, after backward.
         gathers = 1 + s.recomputed
         kv = [m.rows * m.width * shape.kv_dim * BF16 for m in step.micros]
         exposed = sum(
-            2 * shape.layers * (gathers * coll("all_gather", b, cp, True) + coll("reduce_scatter", b, cp, True))
+            2
+            * shape.layers
+            * (gathers * coll("all_gather", b, cp, cp_inside) + coll("reduce_scatter", b, cp, cp_inside))
             for b in kv
         )
         exposed += coll("all_reduce", FP32 * n_lora, dp * cp)
