@@ -206,6 +206,13 @@ DECISIONS = [
     # blogs/fsdp.md, "When to pick FSDP over DDP for LoRA"
     d(
         "fsdp.md",
+        "Freed memory alone is no reason:",
+        ["--gpus", "2", *RTX4090, "--micro-batch-size", "8"],
+        "ddp-ft --quant none (dp2)",
+        "the planner keeps DDP",
+    ),
+    d(
+        "fsdp.md",
         "The bf16 replica fits: use DDP.",
         ["--gpus", "2", *RTX4090],
         "ddp-ft --quant none (dp2)",
