@@ -13,7 +13,7 @@ Everything but attention works token by token, so each rank runs the model on it
 positions. Attention needs every earlier key: each layer all-gathers K and V (8 KV heads, before GQA repeats them
 for the 32 query heads: a quarter of Q's bytes) and each local chunk attends causally to the keys up to its end;
 backward reduce-scatters their gradients to the ranks that own them. The loss is each rank's answer tokens over
-the global batch's target tokens, and the LoRA gradients are summed over the ranks, as DDP's all-reduce does.
+the global batch's target tokens, and the LoRA gradients are summed over the ranks in one all-reduce (DDP's averages).
 
 With more ranks than --cp, the world is a grid of world/cp data-parallel groups (each its own meetings) of --cp
 consecutive ranks (one meeting's chunks: the per-layer gathers stay among neighbours, inside a node):
