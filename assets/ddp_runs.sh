@@ -86,7 +86,7 @@ configurations() {
     measure cpu-heavy-2proc-tiny-buckets 2 "${HEAVY[@]}" --bucket-cap-mb 0.01
     measure cpu-heavy-2proc-reentrant-checkpointing 2 "${HEAVY[@]}" --reentrant-checkpointing
     if [ "${GPU:-0}" = 1 ]; then
-        local g=(--model qwen3-4b-shape --max-steps 20 --eval-every 1000 --save-every 1000)
+        local g=(--model qwen3-4b-shape --fit off --max-steps 20 --eval-every 1000 --save-every 1000)
         measure gpu-4b-shape-2gpu 2 "${g[@]}"
         measure gpu-4b-shape-2gpu-sync-every-micro-step 2 "${g[@]}" --sync-every-micro-step
         measure gpu-4b-shape-2gpu-find-unused-parameters 2 "${g[@]}" --find-unused-parameters

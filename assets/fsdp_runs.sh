@@ -80,7 +80,7 @@ reference cpu-smoke-reference-qlora "${SMOKE[@]}" --quant nf4
 measure cpu-smoke-2proc-qlora "${SMOKE[@]}" --quant nf4
 fails qlora-cpu-offload --smoke --quant nf4 --cpu-offload
 if [ "${GPU:-0}" = 1 ]; then
-    G=(--model qwen3-4b-shape --max-steps 20 --eval-every 1000 --save-every 1000)
+    G=(--model qwen3-4b-shape --fit off --max-steps 20 --eval-every 1000 --save-every 1000)
     measure gpu-4b-shape-2gpu "${G[@]}"
     measure gpu-4b-shape-2gpu-no-reshard "${G[@]}" --no-reshard-after-forward
     measure gpu-4b-shape-2gpu-wrong-wrap-class "${G[@]}" --wrap-class LlamaDecoderLayer

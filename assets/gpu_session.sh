@@ -141,8 +141,8 @@ if [ "$SMOKE" = 1 ]; then
     OUT_DIR=${OUT_DIR:-runs/gpu-session-$TODAY-smoke}
 else
     # The reference configuration (global batch 16, micro-batch 2, 2048 tokens) at Qwen3-4B's shape; the final
-    # eval on 8 examples instead of 64, no checkpoint before the end.
-    COMMON=(--model qwen3-4b-shape --eval-every 1000 --save-every 1000 --eval-examples 8 --no-progress)
+    # eval on 8 examples instead of 64, no checkpoint before the end; --fit off keeps that layout on the GPU.
+    COMMON=(--model qwen3-4b-shape --fit off --eval-every 1000 --save-every 1000 --eval-examples 8 --no-progress)
     A_STEPS=${A_STEPS:-3} B_STEPS=${B_STEPS:-20} PROFILE_STEP=${PROFILE_STEP:-3} MIN_CMD_S=${MIN_CMD_S:-60}
     OUT_DIR=${OUT_DIR:-devlogs/runs/gpu-session-$TODAY-gpu}
 fi
