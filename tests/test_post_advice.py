@@ -155,10 +155,17 @@ DECISIONS = [
     ),
     d(
         "what-fills-gpu-memory.md",
-        "but the nodes share a slow link (Ethernet)",
+        "but the nodes share a 10 GbE link",
         "--model Qwen/Qwen3-32B --gpus 8 --nodes 4 --gpu rtx4090 --inter-node-link eth-10g",
         "pp-ft (pp8)",
         "pp-ft",
+    ),
+    d(
+        "what-fills-gpu-memory.md",
+        "FSDP in 4 bits (which leads by 85% at 25 GbE)",
+        "--model Qwen/Qwen3-32B --gpus 8 --nodes 4 --gpu rtx4090 --inter-node-link eth-25g",
+        "fsdp-ft --quant nf4 (dp8)",
+        "FSDP in 4 bits",
     ),
     d(
         "what-fills-gpu-memory.md",
@@ -333,9 +340,7 @@ def test_only_the_slow_link_case_recommends_a_pipeline(plans, capsys):
     picks = {argv: plans(argv)["recommendation"].get("experiment") for argv in cases}
     capsys.readouterr()
     assert "pp-ft" not in picks.values()
-    assert [x.phrase for x in DECISIONS if x.recommended == "pp-ft (pp8)"] == [
-        "but the nodes share a slow link (Ethernet)"
-    ]
+    assert [x.phrase for x in DECISIONS if x.recommended == "pp-ft (pp8)"] == ["but the nodes share a 10 GbE link"]
 
 
 def test_the_planner_figures_in_the_advice_name_their_assumptions():
