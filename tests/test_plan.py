@@ -687,13 +687,16 @@ def test_a_tp_or_cp_group_wider_than_a_node_crosses_the_link_between_nodes():
         assert comm(technique, mesh, 1, "eth-10g") == comm(technique, mesh, 1, "ib-ndr"), technique
 
 
-def test_pp_is_the_pick_where_no_gpu_holds_the_weights_and_the_nodes_share_ethernet():
-    """The textbook case for a pipeline: Qwen3-32B, no RTX 4090 holds even its 4-bit weights, and 4 nodes of 2
-    joined by 10 GbE: FSDP's weight gathers outlast the compute and TP's collectives cross the slow link, while PP
-    sends one activation per stage boundary. Over InfiniBand FSDP wins again."""
+def test_the_scripts_that_load_the_whole_model_are_refused_where_it_does_not_fit_one_gpu():
+    """pp-ft, tp-ft, tp-sp-ft and fsdp-tp-ft load the whole bf16 base on every GPU before keeping their part: for
+    Qwen3-32B on RTX 4090s (61 GiB of bf16 weights) they are refused with that reason, even where a pipeline's
+    step would be the fastest (4 nodes of 2 on 10 GbE); on 80 GB H100s they load, and are priced."""
     base = dict(config=settings.model_config("Qwen/Qwen3-32B"), gpus=8, nodes=4, gpu=hardware.gpu("rtx4090"))
     base |= dict(link=hardware.LINKS["pcie4"], memory_bytes=hardware.gpu("rtx4090").memory_bytes)
-    slow = recommendation.plan(setting(**base, inter_node_link=hardware.LINKS["eth-10g"]))["recommendation"]
-    assert (slow["experiment"], slow["mesh"]) == ("pp-ft", {"pp": 8})
-    fast = recommendation.plan(setting(**base, inter_node_link=hardware.LINKS["ib-hdr"]))["recommendation"]
-    assert fast["experiment"] == "fsdp-ft"
+    slow = recommendation.plan(setting(**base, inter_node_link=hardware.LINKS["eth-10g"]))
+    for technique in techniques.LOADS_WHOLE_MODEL:
+        refused = [r["refused"] for r in slow["techniques"] if r["technique"] == technique]
+        assert refused and all("loads the whole bf16 base" in why for why in refused), technique
+    assert (slow["recommendation"]["experiment"], slow["recommendation"]["quant"]) == ("fsdp-ft", "nf4")
+    h100 = recommendation.plan(setting(config=settings.model_config("Qwen/Qwen3-32B"), gpus=8))
+    assert "required_bytes" in row(h100, "pp-ft") and "refused" not in row(h100, "pp-ft")

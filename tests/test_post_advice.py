@@ -110,6 +110,22 @@ DECISIONS = [
     ),
     d(
         "fsdp-tp.md",
+        "Between nodes on 10 GbE",
+        ["--model", "Qwen/Qwen3-32B", "--gpus", "16", "--nodes", "2", *RTX4090, "--batch-size", "64"]
+        + ["--inter-node-link", "eth-10g"],
+        "fsdp-ft --quant nf4 (dp16)",
+        "4-bit `fsdp-ft`",
+    ),
+    d(
+        "fsdp-tp.md",
+        "Where no mesh with TP inside a node fits",
+        "--model Qwen/Qwen3-14B --gpus 8 --nodes 2 --gpu a100-40gb --link nvlink3 --max-length 40960 "
+        "--micro-batch-size 1",
+        "tp-sp-ft (tp8)",
+        "tp-sp-ft",
+    ),
+    d(
+        "fsdp-tp.md",
         "Across nodes, where TP stops at a node's GPUs",
         "--model Qwen/Qwen3-14B --gpus 16 --nodes 2 --gpu a100-40gb --link nvlink3 --max-length 40960 "
         "--micro-batch-size 1",
@@ -155,17 +171,10 @@ DECISIONS = [
     ),
     d(
         "what-fills-gpu-memory.md",
-        "but the nodes share a 10 GbE link",
+        "PP has no branch:",
         "--model Qwen/Qwen3-32B --gpus 8 --nodes 4 --gpu rtx4090 --inter-node-link eth-10g",
-        "pp-ft (pp8)",
-        "pp-ft",
-    ),
-    d(
-        "what-fills-gpu-memory.md",
-        "FSDP in 4 bits (which leads by 85% at 25 GbE)",
-        "--model Qwen/Qwen3-32B --gpus 8 --nodes 4 --gpu rtx4090 --inter-node-link eth-25g",
         "fsdp-ft --quant nf4 (dp8)",
-        "FSDP in 4 bits",
+        "keeps 4-bit FSDP",
     ),
     d(
         "what-fills-gpu-memory.md",
@@ -272,10 +281,11 @@ DECISIONS = [
     # blogs/pp.md, "When to use PP, and what to run"
     d(
         "pp.md",
-        "Below it FSDP shards them",
-        ["--model", "Qwen/Qwen3-32B", "--gpus", "8", *RTX4090],
-        "fsdp-ft (dp8)",
-        "`fsdp-ft`",
+        "gets 4-bit FSDP at",
+        "--model Qwen/Qwen3-32B --gpus 8 --nodes 4 --gpu rtx4090 --inter-node-link eth-10g",
+        "fsdp-ft --quant nf4 (dp8)",
+        "4-bit FSDP",
+        tokens=True,
     ),
     # blogs/ddp.md, "What to run, and when": the planner's example cards without peer-to-peer
     d(
@@ -332,15 +342,20 @@ def test_the_post_names_what_the_planner_recommends(decision, plans, capsys):
         assert f"{row['tokens_per_s']:,.0f}" in said, said
 
 
-def test_only_the_slow_link_case_recommends_a_pipeline(plans, capsys):
-    """The memory post's tree gives PP one branch, no GPU holding the weights and nodes on Ethernet, and the PP post
-    says not to use it at 4B: no other case above, nor Qwen3-4B's reference on two GPUs of either kind, gets pp-ft."""
-    cases = {x.argv for x in DECISIONS if x.recommended != "pp-ft (pp8)"}
-    cases |= {("--gpus", "2", *RTX4090), ("--gpus", "2", "--gpu", "h100-sxm")}
+def test_no_case_the_posts_give_recommends_a_pipeline(plans, capsys):
+    """pp-ft loads the whole bf16 base on every GPU first, so the planner refuses it where a pipeline would pay (no
+    GPU holds the 4-bit weights, nodes on 10 GbE), and the posts say so: no case above, nor Qwen3-4B's reference on
+    two GPUs of either kind, gets pp-ft."""
+    cases = {x.argv for x in DECISIONS} | {("--gpus", "2", *RTX4090), ("--gpus", "2", "--gpu", "h100-sxm")}
     picks = {argv: plans(argv)["recommendation"].get("experiment") for argv in cases}
     capsys.readouterr()
     assert "pp-ft" not in picks.values()
-    assert [x.phrase for x in DECISIONS if x.recommended == "pp-ft (pp8)"] == ["but the nodes share a 10 GbE link"]
+    ethernet = next(x for x in DECISIONS if x.phrase == "PP has no branch:")
+    pp = next(r for r in plans(ethernet.argv)["techniques"] if r["technique"] == "pp")
+    assert "loads the whole bf16 base" in pp["refused"]
+    assert "`pp-ft` loads the whole bf16 base on every GPU" in statement(
+        "what-fills-gpu-memory.md", "PP has no branch:"
+    )
 
 
 def test_the_planner_figures_in_the_advice_name_their_assumptions():

@@ -191,9 +191,10 @@ def main() -> None:
     eval_batches = evaluation.micro_batches(val_set, args.eval_examples, args.batch_size, collate=eval_batch)
     eval_targets = sum(int((b["target"][:, 1] != data.IGNORE_INDEX).sum()) for b in eval_batches)
 
-    # ---- model: every rank builds the whole frozen base and the whole LoRA adapter from the seed (the same
-    # weights and the same adapter init as the single-GPU run), then keeps only its stages. At 4B that fits; a
-    # 100B+ model would be built on the meta device and each rank would load only its stages' weights.
+    # ---- model: every rank loads the whole frozen base (the tiny model: built from the seed) and builds the whole
+    # LoRA adapter from the seed (the same weights and adapter init as the single-GPU run), then keeps its stages.
+    # At 4B that fits. A model whose bf16 weights exceed one GPU (Qwen3-32B on 24 GB) would be built on the meta
+    # device, each rank loading only its stages' weights; until then the planner refuses pp-ft for it.
     # Checkpointing: each decoder layer recomputes its activations in backward; the stages call the layers
     # directly, and a layer applies the checkpointing itself (transformers' GradientCheckpointingLayer).
     model = prepare.load_lora_model(args, dtype, device, len(tokenizer))

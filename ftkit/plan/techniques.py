@@ -7,7 +7,7 @@ import dataclasses
 import statistics
 
 from ftkit import batching, errors, ranks
-from ftkit.memory import predict
+from ftkit.memory import GIB, lora_params, predict
 from ftkit.plan.layouts import layout_steps
 from ftkit.plan.settings import Setting
 from ftkit.plan.timing import step_time
@@ -17,6 +17,9 @@ from ftkit.plan.timing import step_time
 # what no run here measures (the allocator's fragmentation, other kernels' workspaces, padded batches' masks).
 # tests/test_plan.py fails when a tracked run exceeds it.
 MEMORY_MARGIN = 1.2
+# The scripts that load the whole bf16 base (and build the whole LoRA adapter) on every GPU before keeping their
+# part (ftkit/prepare.py, load_lora_model): a model whose bf16 weights do not fit one GPU cannot start in them.
+LOADS_WHOLE_MODEL = ("pp", "tp", "tp-sp", "fsdp-tp")
 EXPERIMENTS = {
     "single": "single-gpu-ft",
     "ddp": "ddp-ft",
@@ -76,6 +79,16 @@ def memory_bytes(s: Setting, technique: str, mesh: dict[str, int], quant: str, a
     ).total
 
 
+def check_whole_model_loads(s: Setting) -> None:
+    """A ValueError where the whole bf16 base, the whole fp32 adapter and the reserve exceed one GPU's memory."""
+    whole = s.shape.n_params() * 2 + lora_params(s.shape, s.lora_rank) * 4 + s.reserve_bytes
+    if whole > s.memory_bytes:
+        raise ValueError(
+            f"it loads the whole bf16 base on every GPU before keeping its part (ftkit/prepare.py, load_lora_model): "
+            f"{whole / GIB:.1f} GiB with the reserve, more than the GPU's {s.memory_bytes / GIB:.0f} GiB"
+        )
+
+
 def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> dict:
     """One row: the memory and step-time prediction, or the reason the experiment refuses this setting (its own
     error message where it has one). With the AMI layouts, the step time is the median over the layout's steps and
@@ -93,6 +106,8 @@ def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> di
                 raise ValueError(CP_LAYOUT)
         if shape.layers % pp:
             raise ValueError(f"{pp} pipeline stages do not divide the model's {shape.layers} layers evenly")
+        if technique in LOADS_WHOLE_MODEL:
+            check_whole_model_loads(s)
     except (ValueError, errors.RunError, errors.DataError) as e:
         return {**row, "refused": str(e)}
     try:
