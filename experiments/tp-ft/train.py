@@ -87,8 +87,8 @@ def lora_aware_plan() -> dict:
 def naive_plan() -> dict:
     """The model's own TP plan (transformers' Qwen3 base_model_tp_plan) pointed at the layers PEFT wrapped: the
     base is split, the adapters are not. Each rank's base output is a slice, its LoRA output is whole: the sum
-    in PEFT's forward fails on the shapes (the same plan applied *before* get_peft_model runs without an error
-    and is wrong: PEFT then builds per-rank adapters that nothing keeps in step)."""
+    in PEFT's forward fails on the shapes (the same plan applied *before* get_peft_model fails the same way:
+    DTensor keeps the projections' unsharded shapes, so PEFT builds whole adapters beside sliced bases)."""
     plan = {}
     for name in lora.COLUMN_PARALLEL + lora.ROW_PARALLEL:
         block = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
