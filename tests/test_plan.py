@@ -700,3 +700,12 @@ def test_the_scripts_that_load_the_whole_model_are_refused_where_it_does_not_fit
     assert (slow["recommendation"]["experiment"], slow["recommendation"]["quant"]) == ("fsdp-ft", "nf4")
     h100 = recommendation.plan(setting(config=settings.model_config("Qwen/Qwen3-32B"), gpus=8))
     assert "required_bytes" in row(h100, "pp-ft") and "refused" not in row(h100, "pp-ft")
+
+
+def test_fsdp_in_4_bits_is_refused_where_the_whole_4_bit_base_does_not_fit_one_gpu():
+    """fsdp-ft quantizes a 4-bit base on every GPU before sharding it: Qwen3-32B's (17.9 GiB) does not load on a
+    16 GiB card, though its shards would train there; the bf16 base, loaded on rank 0's CPU, is priced."""
+    s = setting(config=settings.model_config("Qwen/Qwen3-32B"), gpus=16, nodes=2, memory_bytes=16 * 2**30)
+    result = recommendation.plan(dataclasses.replace(s, batch_size=64))
+    assert "loads the whole 4-bit base" in row(result, "fsdp-ft", quant="nf4")["refused"]
+    assert "refused" not in row(result, "fsdp-ft", quant="none")

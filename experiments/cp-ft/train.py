@@ -60,7 +60,7 @@ from ftkit.profiling import StepProfiler
 REAL = dict(task="meetings", max_length=32768, micro_batch_size=1, batch_size=8)
 # The walkthrough: the tiny tokenizer's whole-meeting examples are 1.7k-21k tokens; 4,096 keeps the 11 shortest.
 SMOKE = dict(task="meetings", max_length=4096, micro_batch_size=1, batch_size=2)
-EAGER_BECAUSE = "cp-ft's attention calls collectives inside a hand-written autograd Function (gather_kv)"
+EAGER_BECAUSE = "cp-ft's attention calls collectives inside a hand-written autograd Function (GatherKV)"
 TRAP = (
     "cp-ft's attention got a mask: where transformers builds masks for an attention (as for its own SDPA), it reads "
     "the chunks' position ids, which jump from one chunk to the next, as packed sequences and masks them apart; "

@@ -19,6 +19,7 @@ from ftkit.plan.timing import step_time
 MEMORY_MARGIN = 1.2
 # The scripts that load the whole bf16 base (and build the whole LoRA adapter) on every GPU before keeping their
 # part (ftkit/prepare.py, load_lora_model): a model whose bf16 weights do not fit one GPU cannot start in them.
+# fsdp-ft loads a bf16 base on rank 0's CPU and the meta device elsewhere, but quantizes a 4-bit one on each GPU.
 LOADS_WHOLE_MODEL = ("pp", "tp", "tp-sp", "fsdp-tp")
 EXPERIMENTS = {
     "single": "single-gpu-ft",
@@ -79,13 +80,16 @@ def memory_bytes(s: Setting, technique: str, mesh: dict[str, int], quant: str, a
     ).total
 
 
-def check_whole_model_loads(s: Setting) -> None:
-    """A ValueError where the whole bf16 base, the whole fp32 adapter and the reserve exceed one GPU's memory."""
-    whole = s.shape.n_params() * 2 + lora_params(s.shape, s.lora_rank) * 4 + s.reserve_bytes
+def check_whole_model_loads(s: Setting, quant: str = "none") -> None:
+    """A ValueError where the whole base (bf16, or NF4 for `quant` nf4), the whole fp32 adapter and the reserve
+    exceed one GPU's memory."""
+    weights = predict(s.shape, quant=quant, lora_rank=s.lora_rank).weights
+    whole = weights + lora_params(s.shape, s.lora_rank) * 4 + s.reserve_bytes
     if whole > s.memory_bytes:
+        base = "4-bit" if quant == "nf4" else "bf16"
         raise ValueError(
-            f"it loads the whole bf16 base on every GPU before keeping its part (ftkit/prepare.py, load_lora_model): "
-            f"{whole / GIB:.1f} GiB with the reserve, more than the GPU's {s.memory_bytes / GIB:.0f} GiB"
+            f"it loads the whole {base} base on every GPU before keeping its part: {whole / GIB:.1f} GiB with the "
+            f"reserve, more than the GPU's {s.memory_bytes / GIB:.0f} GiB"
         )
 
 
@@ -108,6 +112,8 @@ def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> di
             raise ValueError(f"{pp} pipeline stages do not divide the model's {shape.layers} layers evenly")
         if technique in LOADS_WHOLE_MODEL:
             check_whole_model_loads(s)
+        if technique == "fsdp" and quant == "nf4":  # fsdp-ft quantizes on each GPU, then shards the codes
+            check_whole_model_loads(s, quant)
     except (ValueError, errors.RunError, errors.DataError) as e:
         return {**row, "refused": str(e)}
     try:

@@ -154,7 +154,7 @@ LOWER_RIGHT_FLASH = (
     "cp-ft's attention of a rank's query chunk over the keys up to its end (SDPA with causal_lower_right) runs as "
     "CUDA's flash kernel (aten._scaled_dot_product_flash_attention with is_causal, lower right in its convention): "
     "torch chooses it on an H100 for bf16, head_dim 128 and no mask, and saves q, k, v, the output and a logsumexp; "
-    "on the CPU device torch would materialise the mask and take the math path, which saves the scores; the "
+    "on the CPU device torch 2.15 materialises the mask and runs its CPU flash kernel instead; the "
     "CausalBias (a tensor subclass holding no data) is made outside the fake mode and the memory tracker, under "
     "which it cannot be made"
 )
