@@ -148,7 +148,7 @@ def _add_training(g: argparse._ArgumentGroup) -> None:
         default=None,
         help="auto: choose --micro-batch-tokens and --checkpointing for this GPU from the memory model and the "
         "planner (ftkit/fit.py), unless one of them (or --micro-batch-size) is given; printed and recorded "
-        "[on CUDA in bf16: auto; smoke: off]",
+        "[on CUDA in bf16: auto; smoke, pp-ft, cp-ft: off]",
     )
     g.add_argument(
         "--no-packing",
@@ -290,7 +290,8 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     if args.compile is None:  # compiled layers where the step's speed matters; the CPU walkthrough stays eager
         args.compile = not args.smoke
     if args.fit is None:  # the GPU filled where the step's speed matters (ftkit/fit.py); the walkthrough as it is
-        args.fit = "off" if args.smoke or not torch.cuda.is_available() or args.experiment == "hf-baseline" else "auto"
+        own_layout = args.experiment in ("hf-baseline", "pp-ft", "cp-ft")  # rows of their own: nothing to choose
+        args.fit = "off" if args.smoke or not torch.cuda.is_available() or own_layout else "auto"
     for key in (
         "max_steps",
         "max_length",

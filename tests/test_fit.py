@@ -40,6 +40,10 @@ def test_fit_is_the_gpu_default_and_off_in_the_walkthrough(monkeypatch):
     for argv in (["--micro-batch-size", "4"], ["--micro-batch-tokens", "8192"], ["--no-grad-checkpointing"]):
         assert "given" in fit.reason_not_to_fit(gpu_args(*argv)), argv
     assert "padded rows" in fit.reason_not_to_fit(gpu_args("--no-packing"))
+    for own in ("pp-ft", "cp-ft"):  # their rows are their own: recorded as off, not as an auto they ignore
+        assert (
+            cli.resolve(cli.common_parser("t", experiment=own).parse_args(["--model", "qwen3-4b-shape"])).fit == "off"
+        )
 
 
 @pytest.mark.parametrize("key", ["rtx4090", "h100-sxm", "h200"])

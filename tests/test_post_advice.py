@@ -344,8 +344,8 @@ def test_the_post_names_what_the_planner_recommends(decision, plans, capsys):
 
 def test_no_case_the_posts_give_recommends_a_pipeline(plans, capsys):
     """pp-ft loads the whole bf16 base on every GPU first, so the planner refuses it where a pipeline would pay (no
-    GPU holds the 4-bit weights, nodes on 10 GbE), and the posts say so: no case above, nor Qwen3-4B's reference on
-    two GPUs of either kind, gets pp-ft."""
+    GPU trains the model alone even in 4 bits, nodes on 10 GbE), and the posts say so: no case above, nor Qwen3-4B's
+    reference on two GPUs of either kind, gets pp-ft."""
     cases = {x.argv for x in DECISIONS} | {("--gpus", "2", *RTX4090), ("--gpus", "2", "--gpu", "h100-sxm")}
     picks = {argv: plans(argv)["recommendation"].get("experiment") for argv in cases}
     capsys.readouterr()
