@@ -16,11 +16,11 @@ What comes from where:
 - Compute: the FLOPs of each layer's backward with activation checkpointing (the recompute of its forward, then
   each projection's input gradient and its adapter's gradients, and attention), for one micro-batch of the
   reference configuration on one rank at its cap (2 rows of 2048 tokens; the packed reference micro-batches on 2
-  ranks average about 3,200 real tokens), at the DDP post's ASSUMED 30% MFU on an H100 (assets/ddp_comm_model.py). MFU counts
-  the model FLOPs of ftkit/metrics.py's convention (the lm_head at the answer positions only), without the
-  recompute; the step really does 1.49 times those (FlopCounterMode's count at Qwen3-4B's shape,
-  devlogs/runs/realscale/ddp-world2.json, over its convention at logits), so 30% MFU is 45% of the peak in the
-  FLOPs drawn here, and such a full micro-step takes 0.23 s.
+  ranks average about 3,200 real tokens), at the DDP post's ASSUMED 30% MFU on an H100
+  (assets/ddp_comm_model.py). MFU counts the model FLOPs of ftkit/metrics.py's convention (the lm_head at the
+  answer positions only), without the recompute; the step really does 1.49 times those (FlopCounterMode's count
+  at Qwen3-4B's shape, devlogs/runs/realscale/ddp-world2.json, over its convention at logits), so 30% MFU is 45%
+  of the peak in the FLOPs drawn here, and such a full micro-step takes 0.23 s.
 - All-reduce: the ring's bandwidth term at PCIe Gen4's peak (ftkit/comm.py ring_wire_bytes, ftkit/hardware.py),
   as in the post's table; one bucket at a time, in order, each from the moment its last gradient is ready.
 """
