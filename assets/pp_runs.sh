@@ -36,7 +36,7 @@ for m in 2 8; do
     measure "cpu-interleaved-m$m" --schedule interleaved-1f1b --microbatches "$m"
 done
 # The zero-bubble schedules on the same 2 ranks x 2 stages (DualPipeV needs m >= its 4 stages); ZBV and interleaved
-# 1F1B also without activation checkpointing, which makes every weight-gradient action recompute its layers.
+# 1F1B also without activation checkpointing: with it, every weight-gradient action recomputes its layers.
 for s in interleaved-zb zbv dualpipev; do
     measure "cpu-$s-m8" --schedule "$s" --microbatches 8
 done
