@@ -441,7 +441,8 @@ class _Setup:
         drop the output, pp-ft's loss function its logits). Beside them the final norm's fp32 input and the
         lm_head's input picked at the answer positions (`logits_to_keep`), which saves the whole normed sequence.
         `logit_positions` is how many positions per sequence the lm_head runs on, None counting every position
-        (seq_len), an upper bound. Under TP they are gathered (full vocab on every rank)."""
+        (seq_len), an upper bound. Under TP the lm_head is replicated: every rank computes the full-vocabulary
+        logits (tp-sp-ft all-gathers the final norm's output first)."""
         shape, act, tokens, sp, m = self.shape, self.act, self.tokens, self.sp, self.m
         technique, logit_positions = self.technique, self.logit_positions
         positions = self.micro_batch_size * (logit_positions or self.seq_len // self.cp)

@@ -45,8 +45,8 @@ def data_dir() -> Path:
 @pytest.fixture(scope="session")
 def short_data_dir(tmp_path_factory) -> Path:
     """The shipped meetings with every span query's transcript cut to its first 1-8 turns (the number from the
-    query's hash) and no whole-meeting query: examples of ~100-450 tiny-tokenizer tokens instead of ones trimmed to
-    --max-length, so that a packed row of 512 holds several and packing differs from padding."""
+    query's hash) and no whole-meeting query: examples of 88-512 tiny-tokenizer tokens (median ~220) instead of
+    ones trimmed to --max-length, so that a packed row of 512 holds several and packing differs from padding."""
     import gzip
     import zlib
 
