@@ -83,7 +83,8 @@ def parse_args():
     m.add_argument(
         "--find-unused-parameters",
         action="store_true",
-        help="search the autograd graph after every forward for parameters without gradients (there are none)",
+        help="search the autograd graph after every syncing forward (the step's last micro-batch) for parameters "
+        "without gradients (there are none)",
     )
     m.add_argument(
         "--reentrant-checkpointing",
