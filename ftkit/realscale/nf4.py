@@ -125,8 +125,9 @@ def quantization_report(model, constants: list[torch.Tensor]) -> dict:
     }
 
 
-# Rows above which bitsandbytes' CUDA gemm_4bit dequantizes the weight and calls F.linear instead of its fused
-# kernel (bitsandbytes/backends/cuda/ops.py, `_gemm_4bit_custom_max_m`).
+# Rows above which bitsandbytes' CUDA gemm_4bit always dequantizes the weight and calls F.linear; at or below it a
+# per-GPU heuristic picks that or its fused kernel (bitsandbytes/backends/cuda/ops.py, `_gemm_4bit_custom_max_m`,
+# `_gemm_4bit_use_custom_cuda`).
 GEMM_4BIT_FUSED_MAX_ROWS = 1536
 
 

@@ -109,7 +109,7 @@ def four_bit(s: Setup) -> str:
         f"layers, as from_pretrained does{',' if technique == 'fsdp' else ';'} {stored}. gemm_4bit runs as "
         f"bitsandbytes' CUDA kernel runs it past {GEMM_4BIT_FUSED_MAX_ROWS} rows (dequantize to a bf16 weight, "
         f"F.linear; its fake kernel allocates and computes nothing); these micro-batches have {rows_4bit} rows"
-        + ("" if rows_4bit > GEMM_4BIT_FUSED_MAX_ROWS else ", where CUDA runs the fused kernel instead")
+        + ("" if rows_4bit > GEMM_4BIT_FUSED_MAX_ROWS else ", where a per-GPU heuristic may pick its fused kernel")
     )
 
 
