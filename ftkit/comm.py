@@ -330,9 +330,9 @@ def tp_all_reduce_theory(config, args, rows: list[dict], tp: int, key: str = "co
     its `tp` dimension), from each sampled step's activation bytes (rows with a `key` entry). Per micro-batch and
     layer: forward, o_proj's and down_proj's partial outputs and those of their lora_A (rank r: r/hidden of an
     activation); backward, the input gradients of the five column modules and their lora_B, less layer 0's q/k/v
-    (no gradient flows into the frozen embedding); checkpointing repeats a checkpointed layer's forward ones (each
-    layer's, or every K-th's) and makes the embedding's output require grad (transformers'
-    enable_input_require_grads), so layer 0's q/k/v send too.
+    input gradients (no gradient flows into the frozen embedding; their lora_B still send); checkpointing repeats a
+    checkpointed layer's forward ones (each layer's, or every K-th's) and makes the embedding's output require grad
+    (transformers' enable_input_require_grads), so layer 0's q/k/v send too.
     A TP group of one (`tp`) sends nothing: DTensor on a mesh of one redistributes nothing."""
     if tp == 1:
         return 0.0

@@ -64,7 +64,7 @@ def test_each_mesh_dimension_sends_what_theory_says(mesh):
     """dp: FSDP2's all-gathers of this TP rank's slices (every unit in forward, the layers again in backward) and
     one reduce-scatter of the LoRA gradients per step, as fsdp-ft's; tp: tp-ft's all-reduces on this TP group's
     micro-batches (forward o_proj and down_proj and their lora_A; backward the five column modules and their lora_B,
-    less layer 0's q/k/v, whose input needs no gradient)."""
+    less layer 0's q/k/v input gradients, as their input needs none; their lora_B still send)."""
     dp, tp, run = mesh
     s = json.loads((run.run_dir / "summary.json").read_text())
     assert s["mesh"] == {"dp": dp, "tp": tp}

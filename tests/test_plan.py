@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from ftkit import hardware
+from ftkit import hardware, memory, models
 from ftkit.plan import hosts, layouts, recommendation, settings, techniques, timing
 from ftkit.plan.__main__ import main
 
@@ -229,6 +229,16 @@ def test_the_fsdp_tp_posts_layout_table_is_what_the_planner_predicts(capsys):
         match = {"mesh": {"dp": int(mesh[1]), "tp": int(mesh[2])}} if mesh else {}
         r = row(result, experiment, quant=quant or "none", **match)
         assert (f"{r['required_bytes'] / 2**30:.1f}", f"{r['tokens_per_s']:,.0f}") == (gib, tokens), layout
+
+
+@pytest.mark.parametrize("run", ["cpu-mesh-2x1", "cpu-mesh-2x2"])
+def test_fsdp_tp_reduce_scatters_priced_at_the_bytes_the_committed_runs_sent(run):
+    """Under TP one LoRA half of each projection is whole on every rank: the gradients FSDP reduce-scatters shrink
+    to 0.72x at TP 2 on the tiny model, not 0.5x."""
+    s = json.loads((ROOT / "devlogs" / "runs" / "fsdp-tp-ft" / run / "summary.json").read_text())
+    tiny = memory.ModelShape.from_config({**models.TINY_CONFIG, "vocab_size": models.TINY_VOCAB})
+    sent = s["comm"]["reduce_scatter"]["bytes"] / s["steps_run"]
+    assert timing.adapter_grad_bytes(tiny, s["config"]["lora_rank"], s["mesh"]["tp"]) == sent
 
 
 @pytest.mark.parametrize(

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from ftkit import comm, hardware, metrics
 from ftkit.lora import ROW_PARALLEL
-from ftkit.memory import NF4_BYTES_PER_PARAM, NF4_PACKED_BYTES, lora_params
+from ftkit.memory import NF4_BYTES_PER_PARAM, NF4_PACKED_BYTES, ModelShape, lora_params
 from ftkit.plan.hosts import (
     H100_OPS_PER_STEP,
     HOST_OPS_PER_STEP,
@@ -96,6 +96,12 @@ def host_costs(s: Setting, quant: str, layers: int, passes: int) -> tuple[int, f
     return ops, host_micro, step_ops
 
 
+def adapter_grad_bytes(shape: ModelShape, rank: int, tp: int = 1) -> int:
+    """One rank's fp32 LoRA gradients, what FSDP reduce-scatters each step: under TP one half of each projection's
+    adapter is split and the other whole on every rank (`memory.lora_params`), so not the whole adapter / tp."""
+    return FP32 * lora_params(shape, rank, tp=tp)
+
+
 def exposed_comm(
     s: Setting, technique: str, mesh: dict[str, int], quant: str, step: Step, busy: float
 ) -> tuple[float, float]:
@@ -125,7 +131,7 @@ def exposed_comm(
         layer_bytes = shape.linear_params() / tp * linear_bytes + shape.norm_params() * BF16
         gathers = coll("all_gather", 2 * shape.layers * layer_bytes + shape.embedding_params() * BF16, dp)
         exposed = accum * (max(0.0, gathers - micro) + gathers / (2 * shape.layers))
-        exposed += max(0.0, coll("reduce_scatter", FP32 * n_lora / tp, dp) - micro / 2)
+        exposed += max(0.0, coll("reduce_scatter", adapter_grad_bytes(shape, s.lora_rank, tp), dp) - micro / 2)
     if technique in ("tp", "fsdp-tp"):
         per_layer = 7 + 2 * s.recomputed  # a checkpointed layer's two forward all-reduces again
         exposed += sum(shape.layers * per_layer * coll("all_reduce", a, tp, tp_inside) for a in activations)
