@@ -65,7 +65,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus", type=int, required=True, help="GPUs in all")
     p.add_argument("--nodes", type=int, default=1)
     p.add_argument("--gpu", default="h100-sxm", choices=[g.key for g in hardware.GPUS])
-    p.add_argument("--gpu-memory-gib", type=float, default=None, help="[the GPU's datasheet memory]")
+    p.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        default=None,
+        help="[the GPU's datasheet GB read as 10^9 B, under what torch reports: give its total_memory / 2**30]",
+    )
     p.add_argument(
         "--link",
         choices=list(hardware.LINKS),
