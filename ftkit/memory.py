@@ -385,7 +385,8 @@ class _Setup:
           min(m, p) on the first and 1 on the last. num_microbatches (m) defaults to pp. pp_stage: "first" or
           "last" predicts that stage (the first holds the embedding and the most micro-batches in flight, the last
           the lm_head and the loss), None the busier of the two. The last stage's output (the normed sequence) is
-          kept for every micro-batch of the step: the schedule merges them into the step's output. Under 1F1B a
+          kept for each micro-batch in flight, until its backward (pp-ft does not ask the schedule for the step's
+          merged output, which would keep every micro-batch's to the step's end). Under 1F1B a
           stage that receives activations and computes the loss (the last) keeps every micro-batch's received
           activation to the step's end: torch's schedule keeps each loss with its autograd graph, whose
           AccumulateGrad holds that leaf.
@@ -453,13 +454,13 @@ class _Setup:
         # (the scripts drop the output; pp-ft's loss function makes them from its stage output and drops them).
         final_norm = tokens * (FP32 * (shape.hidden + 1) + (2 * act * shape.hidden if self.full_finetune else 0)) / sp
         normed = tokens * act * shape.hidden
-        # pp's stage output is the normed sequence, which the schedule keeps for every micro-batch of the step
-        # (its merged output): counted below, once per micro-batch, not with each micro-batch's saved tensors.
+        # pp's stage output is the normed sequence, which the schedule keeps until the micro-batch's backward
+        # (pp-ft passes return_outputs=False, so no merged output): counted below, once per micro-batch in flight.
         picked = 0.0 if logit_positions is None else 8 * positions * shape.hidden
         picked += normed if logit_positions is not None and technique != "pp" else 0.0
         picked += normed if self.sequence_parallel else 0.0  # the sequence all-gather's copy
         saved = final_norm + picked + FP32 * n_logits
-        acts += (in_flight - 1) * saved + (m * normed if technique == "pp" else 0.0)
+        acts += (in_flight - 1) * saved + (in_flight * normed if technique == "pp" else 0.0)
         if technique == "pp" and not first and self.pp_schedule == "1f1b":
             # torch's schedule keeps each micro-batch's loss, with its graph, until the step ends, and the
             # graph's AccumulateGrad holds the activation the stage received: the m - 1 micro-batches done keep

@@ -442,18 +442,17 @@ def test_pp_stage_0_runs_the_scripts_1f1b_schedule():
 def test_pp_last_stage_runs_the_scripts_1f1b_schedule_and_loss():
     """pp-ft's last stage at world 2, rank 1: one decoder layer, the final norm, the lm_head (the tied embedding)
     and pp-ft's loss on the answer positions, under 1F1B (one micro-batch in flight). The memory model is a floor
-    within 3%: it counts both micro-batches' stage outputs (the normed sequence, kept by the schedule for its merged
-    output), the first micro-batch's received activation (torch's schedule keeps each loss with its graph to the
-    step's end, and the graph holds it) and no bf16 logits (pp-ft's loss frees them); the peak is in the layer's
-    backward, where one [2, 2048, 2560] bf16 tensor more is held, not yet identified (1.010 measured; 1.020 before
-    the received activation was counted: see devlogs/runs/realscale/README.md). Counting the logits as kept, as
-    the model once did, reads 0.966; not counting the kept outputs, 1.04. The lm_head runs on the answer positions
-    only: 256/2048 of the convention's."""
+    within 1.5%: it counts the stage output of the micro-batch in flight (pp-ft asks for no merged output, which
+    would keep every micro-batch's: 1.020 if the step kept it), the first micro-batch's received activation
+    (torch's schedule keeps each loss with its graph to the step's end, and the graph holds it) and no bf16 logits
+    (pp-ft's loss frees them); the peak is in the layer's backward, where one [2, 2048, 2560] bf16 tensor more is
+    held, not yet identified (1.010 measured; see devlogs/runs/realscale/README.md). The lm_head runs on the answer
+    positions only: 256/2048 of the convention's."""
     result = pp_run("last")
     cfg = result["config"]
     assert result["rank"] == 1 and cfg["stage"] == 1 and cfg["schedule"] == "1f1b"
     assert result["predicted_bytes"] == result["predicted_bytes_by_stage"]["last"]
-    assert 1.0 <= result["tracked_over_predicted"] <= 1.03, (result["categories"], result["predicted"])
+    assert 1.0 <= result["tracked_over_predicted"] <= 1.015, (result["categories"], result["predicted"])
     counted, convention = result["flops_counted_by_component"], result["flops_convention_by_component"]
     assert counted["lm_head"] == pytest.approx(
         convention["lm_head"] * cfg["answer_tokens"] / cfg["max_length"], rel=1e-6

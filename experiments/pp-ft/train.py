@@ -307,10 +307,12 @@ def main() -> None:
                 timer_actions.start()
                 # The schedule splits the batch into m micro-batches along dim 0 and runs its forwards and
                 # backwards in its order; the first stage reads the input ids, the last the targets. It runs
-                # the stages' forwards in this thread, so autocast around it reaches them.
+                # the stages' forwards in this thread, so autocast around it reaches them. return_outputs=False:
+                # the last stage would otherwise keep every micro-batch's output to merge them, unused here.
                 inputs = [batch["input_ids"]] if has_first else []
+                target = batch["target"] if has_last else None
                 with lora.compute_autocast(device, dtype):
-                    schedule.step(*inputs, target=batch["target"] if has_last else None, losses=losses)
+                    schedule.step(*inputs, target=target, losses=losses, return_outputs=False)
                 timer_actions.stop()
                 # The whole model's gradient norm: each rank holds its stages' share, summed across the ranks.
                 grad_norm = optim.clip_grads_over_ranks(trainable, args.max_grad_norm)

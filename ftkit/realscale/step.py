@@ -81,7 +81,8 @@ class TrainingStep:
         if s.pp:  # pp-ft's step: the schedule runs every micro-batch's forward and backward, under autocast
             inputs = [mb["input_ids"]] if self.stage.is_first else []
             with lora.compute_autocast(s.device, s.dtype):
-                self.schedule.step(*inputs, target=mb["target"] if self.stage.is_last else None, losses=[])
+                target = mb["target"] if self.stage.is_last else None
+                self.schedule.step(*inputs, target=target, losses=[], return_outputs=False)
             return
         if s.technique == "fsdp":  # experiments/fsdp-ft/train.py's micro-step: FSDP2 casts, no autocast
             model.set_requires_gradient_sync(sync)
