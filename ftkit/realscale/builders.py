@@ -113,7 +113,8 @@ def pipeline(script, model, args, world: int, device: torch.device, microbatches
     but only for an output whose type is exactly torch.Tensor; a FakeTensor, a subclass, would be kept until its
     backward, one [micro, seq, hidden] tensor per micro-batch in flight that a run on the GPU frees. Here it is
     judged as the plain tensor it stands for (the later checks, DDP and a dw_builder, do not apply: this stage has
-    neither). The last stage sends no output: it keeps each one, as on the GPU, for the step's merged output."""
+    neither). The last stage sends no output: it keeps each one until its micro-batch's backward, as on the GPU
+    (pp-ft asks for no merged output, which would keep them to the step's end)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensor
 
