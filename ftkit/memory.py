@@ -384,9 +384,8 @@ class _Setup:
         - PP: GPipe keeps all m micro-batches in flight on every stage; 1F1B keeps min(m, p - k) on stage k, so
           min(m, p) on the first and 1 on the last. num_microbatches (m) defaults to pp. pp_stage: "first" or
           "last" predicts that stage (the first holds the embedding and the most micro-batches in flight, the last
-          the lm_head and the loss), None the busier of the two. The last stage's output (the normed sequence) is
-          kept for each micro-batch in flight, until its backward (pp-ft does not ask the schedule for the step's
-          merged output, which would keep every micro-batch's to the step's end). Under 1F1B a
+          the lm_head and the loss), None the busier of the two. The last stage keeps its output (the normed
+          sequence) until that micro-batch's backward: pp-ft asks for no merged output of the step. Under 1F1B a
           stage that receives activations and computes the loss (the last) keeps every micro-batch's received
           activation to the step's end: torch's schedule keeps each loss with its autograd graph, whose
           AccumulateGrad holds that leaf.
