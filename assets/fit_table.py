@@ -1,5 +1,6 @@
 """What --fit auto chooses for single-gpu-ft on 24, 40, 80 and 141 GB cards: the planner's prediction (ftkit/fit.py),
-for bf16 LoRA (--quant none) and QLoRA (the default), each GPU's datasheet memory, the reference flags otherwise.
+for bf16 LoRA (--quant none) and QLoRA (the default), each GPU's memory as torch reports it, the reference flags
+otherwise.
 
     uv run python assets/fit_table.py        # writes devlogs/runs/plan-fit/fit-table.json, prints the devlog's table
 
@@ -47,13 +48,13 @@ def table(result: dict) -> str:
     for r in result["rows"]:
         base = "bf16 LoRA" if r["quant"] == "none" else "QLoRA"
         if "chosen" not in r:
-            lines.append(f"| {r['gpu']} ({r['memory_bytes'] / 1e9:.0f} GB) | {base} | {r['off']} | | | |")
+            lines.append(f"| {r['gpu']} ({r['memory_bytes'] / 2**30:.2f} GiB) | {base} | {r['off']} | | | |")
             continue
         c, p = r["chosen"], r["predicted"]
         layout = f"{c['micro_batch_tokens']} tokens" if c["micro_batch_tokens"] else "2 rows"
         reference = f"{r['reference_tokens_per_s']:,.0f}" if r["reference_tokens_per_s"] else "does not fit"
         lines.append(
-            f"| {r['gpu']} ({r['memory_bytes'] / 1e9:.0f} GB) | {base} | {layout}, checkpointing {c['checkpointing']} "
+            f"| {r['gpu']} ({r['memory_bytes'] / 2**30:.2f} GiB) | {base} | {layout}, checkpointing {c['checkpointing']} "
             f"| {p['memory_bytes'] / GIB:.1f} GiB ({p['required_bytes'] / GIB:.1f}) | {p['tokens_per_s']:,.0f} "
             f"| {reference} |"
         )

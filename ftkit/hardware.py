@@ -3,7 +3,9 @@ the planner (`ftkit/plan/`). Datasheet peaks, not measurements: a step reaches a
 planner states as an assumption.
 
 FLOP/s are dense bf16 tensor-core peaks (the datasheets' "with sparsity" figures halved). Link bandwidths are per
-direction per GPU, in bytes/s.
+direction per GPU, in bytes/s. Memory is not the datasheet's "24 GB" (a 4090 has 24 GiB of GDDR6X) but what torch
+reports as `total_memory`, the card's less the driver's share, which moves by up to about 0.1 GiB with the driver
+and OS: each row says where its figure is from.
 
 A GPU is found by its whole `torch.cuda.get_device_name()`, never by a part of it: "NVIDIA L40" is not an L4,
 "NVIDIA RTX A1000" not an A100, and a MIG slice ("NVIDIA H100 80GB HBM3 MIG 1g.10gb") not a whole H100. A name the
@@ -32,37 +34,50 @@ class GPU:
     # The link between the GPUs of one node as the card is built: NVLink on the SXM boards, PCIe for a card in a
     # slot (the NVLink bridges of H100 NVL and RTX A6000 join two cards only, so a node of more goes over PCIe).
     link: str = "pcie4"
+    memory_source: str = ""  # where the memory figure, torch's total_memory, is from
 
 
-GB = 1e9
+MIB, GIB = 2**20, 2**30
 GPUS = [
-    GPU("h200", ("NVIDIA H200",), 989e12, 141 * GB, 4.8e12, "NVIDIA H200 Tensor Core GPU datasheet (SXM)", "nvlink4"),
+    GPU(
+        "h200",
+        ("NVIDIA H200",),
+        989e12,
+        150_109_880_320,
+        4.8e12,
+        "NVIDIA H200 Tensor Core GPU datasheet (SXM)",
+        "nvlink4",
+        memory_source="this project's H200 session (devlogs/runs/*-gpu, gpu_memory)",
+    ),
     GPU(
         "h100-pcie",
         ("NVIDIA H100 PCIe",),
         756e12,
-        80 * GB,
+        81_008 * MIB,
         2.0e12,
         "NVIDIA H100 Tensor Core GPU datasheet (PCIe)",
         "pcie5",
+        memory_source="torch 2.0.1 repr of an H100 PCIe, total_memory=81008MB",
     ),
     GPU(
         "h100-nvl",
         ("NVIDIA H100 NVL",),
         835e12,
-        94 * GB,
+        93.00 * GIB,
         3.9e12,
         "NVIDIA H100 Tensor Core GPU datasheet (NVL)",
         "pcie5",
+        memory_source="an out-of-memory report on an H100 NVL, total capacity 93.00 GiB (ali-vilab/VACE#56)",
     ),
     GPU(
         "h100-sxm",
         ("NVIDIA H100 80GB HBM3",),
         989e12,
-        80 * GB,
+        85_017_493_504,
         3.35e12,
         "NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
         "nvlink4",
+        memory_source="this project's H100 runs (devlogs/runs/*-gpu, gpu_memory)",
     ),
     # Every A100 has the same tensor peak, 312 TFLOP/s bf16 dense (624 with sparsity): the PCIe cards' is the SXM's
     # on the datasheet, though their lower power limit (300 W against 400 W) may hold a long step further below it.
@@ -70,74 +85,118 @@ GPUS = [
         "a100-80gb",
         ("NVIDIA A100-SXM4-80GB",),
         312e12,
-        80 * GB,
+        81_049 * MIB,
         2.039e12,
         "NVIDIA A100 Tensor Core GPU datasheet (80GB SXM)",
         "nvlink3",
+        memory_source="mixbench on an A100 80GB PCIe, 81049 MB (ekondis/mixbench#47); "
+        "deviceQuery on SXM ones reads 81,051-81,158 MiB",
     ),
     GPU(
         "a100-40gb",
         ("NVIDIA A100-SXM4-40GB",),
         312e12,
-        40 * GB,
+        40_339 * MIB,
         1.555e12,
         "NVIDIA A100 Tensor Core GPU datasheet, 2020 edition (40GB SXM)",
         "nvlink3",
+        memory_source="deviceQuery on an A100-SXM4-40GB, 40339 MBytes (bottlerocket-os/bottlerocket#3873)",
     ),
     GPU(
         "a100-80gb-pcie",
         ("NVIDIA A100 80GB PCIe",),
         312e12,
-        80 * GB,
+        81_049 * MIB,
         1.935e12,
         "NVIDIA A100 Tensor Core GPU datasheet (80GB PCIe: the same 312 TFLOP/s bf16 as the SXM)",
+        memory_source="mixbench on an A100 80GB PCIe, 81049 MB (ekondis/mixbench#47)",
     ),
     GPU(
         "a100-40gb-pcie",
         ("NVIDIA A100-PCIE-40GB",),
         312e12,
-        40 * GB,
+        40_326 * MIB,
         1.555e12,
         "NVIDIA A100 Tensor Core GPU datasheet, 2020 edition (40GB PCIe: the same 312 TFLOP/s bf16 as the SXM)",
+        memory_source="torch 1.9.0 repr of an A100-PCIE-40GB, total_memory=40326MB",
     ),
-    GPU("l40s", ("NVIDIA L40S",), 362e12, 48 * GB, 864e9, "NVIDIA L40S datasheet"),
-    GPU("l40", ("NVIDIA L40",), 181e12, 48 * GB, 864e9, "NVIDIA L40 datasheet (BF16 Tensor Core 181.05 | 362.1*)"),
-    GPU("l4", ("NVIDIA L4",), 121e12, 24 * GB, 300e9, "NVIDIA L4 Tensor Core GPU datasheet"),
-    GPU("a10", ("NVIDIA A10",), 125e12, 24 * GB, 600e9, "NVIDIA A10 Tensor Core GPU datasheet (BF16 125 | 250* TF)"),
+    GPU(
+        "l40s",
+        ("NVIDIA L40S",),
+        362e12,
+        45_589 * MIB,
+        864e9,
+        "NVIDIA L40S datasheet",
+        memory_source="deviceQuery on an L40S, 45589 MBytes (thamada/nvidia-smi, nvsim/L40S_deviceQuery.py)",
+    ),
+    GPU(
+        "l40",
+        ("NVIDIA L40",),
+        181e12,
+        44.40 * GIB,
+        864e9,
+        "NVIDIA L40 datasheet (BF16 Tensor Core 181.05 | 362.1*)",
+        memory_source="an out-of-memory report on an L40, total capacity 44.40 GiB (QwenLM/Qwen3-VL#2097)",
+    ),
+    GPU(
+        "l4",
+        ("NVIDIA L4",),
+        121e12,
+        22_518 * MIB,
+        300e9,
+        "NVIDIA L4 Tensor Core GPU datasheet",
+        memory_source="deviceQuery on an L4, 22518 MBytes; "
+        "an out-of-memory report reads 22.03 GiB (ArcInstitute/evo2#190)",
+    ),
+    GPU(
+        "a10",
+        ("NVIDIA A10",),
+        125e12,
+        22_516 * MIB,
+        600e9,
+        "NVIDIA A10 Tensor Core GPU datasheet (BF16 125 | 250* TF)",
+        memory_source="deviceQuery on an A10, 22516-22599 MBytes with the driver",
+    ),
     # The workstation cards run bf16 with fp32 accumulation at their full tensor rate, as the data-center ones do...
     GPU(
         "rtx6000-ada",
         ("NVIDIA RTX 6000 Ada Generation",),
         364.2e12,
-        48 * GB,
+        48_622 * MIB,
         960e9,
         "NVIDIA Ada GPU architecture whitepaper (RTX 6000 Ada: bf16, fp32 accumulate, 364.2 | 728.5*); its datasheet's "
         "1,457 TFLOP/s is fp8 with sparsity, 4x that",
+        memory_source="torch 2.3.0 repr of an RTX 6000 Ada, total_memory=48622MB",
     ),
     GPU(
         "rtx-a6000",
         ("NVIDIA RTX A6000",),
         154.8e12,
-        48 * GB,
+        48_676 * MIB,
         768e9,
         "NVIDIA Ampere GA102 GPU architecture whitepaper (RTX A6000: bf16, fp32 accumulate, 154.8 | 309.7*)",
+        memory_source="torch repr of an RTX A6000, total_memory=48676MB (pytorch/ao, torchao/prototype/hqq/README.md)",
     ),
     # ...the GeForce cards at half their fp16-accumulate rate.
     GPU(
         "rtx4090",
         ("NVIDIA GeForce RTX 4090",),
         165.2e12,
-        24 * GB,
+        23.64 * GIB,
         1008e9,
         "NVIDIA Ada GPU architecture whitepaper (GeForce RTX 4090)",
+        memory_source="an out-of-memory report on a 4090, total capacity 23.64 GiB (ali-vilab/VGen#104); "
+        "another reads 23.68 (zai-org/CogVideo#36)",
     ),
     GPU(
         "rtx3090",
         ("NVIDIA GeForce RTX 3090",),
         71e12,
-        24 * GB,
+        25_286_672_384,
         936e9,
         "NVIDIA Ampere GA102 whitepaper (GeForce RTX 3090)",
+        memory_source="totalGlobalMem of a 3090, 25286672384 bytes (Jumperkables/cuda-benchmarking, "
+        "00_deviceQuery/README.md); deviceQuery outputs read 23.55-23.70 GiB",
     ),
 ]
 

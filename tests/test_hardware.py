@@ -88,6 +88,19 @@ def test_the_committed_gpu_runs_keep_their_peak():
         assert hardware.gpu_for_device_name(s["hardware"]["gpu"]).bf16_flops == s["peak_flops"]
 
 
+def test_each_gpus_memory_is_what_torch_reports_with_its_source():
+    """The planner's memory per GPU is torch's total_memory, not the datasheet's GB read as 10^9 B: the committed GPU
+    runs' recorded `gpu_memory` is their row's, and every other row names where its figure is from."""
+    summaries = [json.loads(p.read_text()) for p in sorted((ROOT / "devlogs" / "runs").rglob("summary.json"))]
+    gpu_runs = [s["hardware"] for s in summaries if s.get("hardware", {}).get("gpu_memory")]
+    assert {h["gpu"] for h in gpu_runs} == {"NVIDIA H100 80GB HBM3", "NVIDIA H200"}
+    for h in gpu_runs:
+        assert hardware.gpu_for_device_name(h["gpu"]).memory_bytes == h["gpu_memory"]
+    for g in hardware.GPUS:
+        assert g.memory_source, g.key
+    assert round(hardware.gpu("rtx4090").memory_bytes / 2**30, 2) == 23.64  # the datasheet's 24 GB would be 22.35
+
+
 def test_a_run_on_an_unknown_gpu_reports_no_mfu_and_says_why(monkeypatch, tmp_path, capsys):
     """The rows' `mfu` and the summary's `peak_flops` are null, the summary's `mfu_note` names the device and the
     reason, and rank 0 prints the note once."""

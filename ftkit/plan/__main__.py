@@ -22,7 +22,7 @@ from ftkit.plan.settings import QWEN3_CONFIGS, Setting, model_config
 def print_table(result: dict, model: str) -> None:
     st, a = result["setting"], result["assumptions"]
     print(
-        f"{model}: {st['gpus']} x {st['gpu']} ({st['memory_bytes'] / GIB:.0f} GiB) on {st['nodes']} node(s), "
+        f"{model}: {st['gpus']} x {st['gpu']} ({st['memory_bytes'] / GIB:.1f} GiB) on {st['nodes']} node(s), "
         f"link {st['link']}" + (f", across nodes {st['inter_node_link']}" if st["inter_node_link"] else "")
     )
     notes = result.get("prediction")
@@ -69,7 +69,7 @@ def parser() -> argparse.ArgumentParser:
         "--gpu-memory-gib",
         type=float,
         default=None,
-        help="[the GPU's datasheet GB read as 10^9 B, under what torch reports: give its total_memory / 2**30]",
+        help="[what torch reports for --gpu, ftkit/hardware.py; your card's total_memory / 2**30 where a fit is close]",
     )
     p.add_argument(
         "--link",

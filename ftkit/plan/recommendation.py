@@ -32,7 +32,7 @@ def recommend(rows: list[dict], s: Setting) -> dict:
             "technique": None,
             "mesh": None,
             "quant": None,
-            "reason": f"nothing fits in {s.memory_bytes / GIB:.0f} GiB: the least, {label(least)}, needs "
+            "reason": f"nothing fits in {s.memory_bytes / GIB:.1f} GiB: the least, {label(least)}, needs "
             f"{least['required_bytes'] / GIB:.1f} GiB; lower "
             "--max-length or --micro-batch-size, or add GPUs",
         }
@@ -40,7 +40,7 @@ def recommend(rows: list[dict], s: Setting) -> dict:
     near = [r for r in fitting if r["tokens_per_s"] >= NEAR * best["tokens_per_s"]]
     pick = min(near, key=lambda r: (SIMPLER_FIRST.index(r["technique"]), r["quant"] == "nf4"))
     reason = (
-        f"fits ({pick['required_bytes'] / GIB:.1f} of {s.memory_bytes / GIB:.0f} GiB with the margin); predicted "
+        f"fits ({pick['required_bytes'] / GIB:.1f} of {s.memory_bytes / GIB:.1f} GiB with the margin); predicted "
         f"{pick['tokens_per_s']:,.0f} tokens/s"
     )
     if pick is not best:

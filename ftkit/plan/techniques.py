@@ -89,7 +89,7 @@ def check_whole_model_loads(s: Setting, quant: str = "none") -> None:
         base = "4-bit" if quant == "nf4" else "bf16"
         raise ValueError(
             f"it loads the whole {base} base on every GPU before keeping its part: {whole / GIB:.1f} GiB with the "
-            f"reserve, more than the GPU's {s.memory_bytes / GIB:.0f} GiB"
+            f"reserve, more than the GPU's {s.memory_bytes / GIB:.1f} GiB"
         )
 
 
