@@ -61,7 +61,7 @@ CONFIGS = [
 ]
 TABLE_LENGTHS = (2048, 16384, 32768)
 CURVE_LENGTHS = tuple(range(2048, SEQ + 1, 2048))
-CARD = hardware.gpu("rtx4090").memory_bytes  # a 24 GB card
+CARD = hardware.gpu("rtx4090").memory_bytes  # an RTX 4090, as torch reports it
 RESERVE = 1.0 * GIB  # the planner's default --reserve-gib
 # The planner's settings in the post's comparison: 2 GPUs, whole meetings at the cap, cp-ft's batch.
 PLAN_ARGS = ["--gpus", "2", "--micro-batch-size", "1", "--batch-size", "8"]
@@ -70,6 +70,8 @@ PLAN_SETTINGS = {
     "rtx4090": ["--gpu", "rtx4090", "--link", "pcie4"],
     "h100-sxm": ["--gpu", "h100-sxm", "--link", "nvlink4"],
 }
+# At the full context a 22 GiB card (L4, A10) is where no data-parallel layout fits.
+FULL_CONTEXT_SETTINGS = {"rtx4090": PLAN_SETTINGS["rtx4090"], "l4": ["--gpu", "l4", "--link", "pcie4"]}
 RANK_COLORS = ("#4C72B0", "#DD8452", "#55A868", "#C44E52")
 
 
@@ -115,7 +117,7 @@ def memory_curves() -> dict[str, list[tuple[int, float]]]:
 
 
 def limits() -> dict[str, float]:
-    """A 24 GB card in GiB, and the most the memory model may predict for the planner to say a run fits it."""
+    """An RTX 4090 in GiB, and the most the memory model may predict for the planner to say a run fits it."""
     return {"card": CARD / GIB, "planner": (CARD - RESERVE) / MEMORY_MARGIN / GIB}
 
 
@@ -156,7 +158,8 @@ def realscale_table() -> str:
 def planned(gpu: str, max_length: int = SEQ) -> dict:
     """The planner's answer for 2 GPUs of this kind at cp-ft's reference configuration (`python -m ftkit.plan`)."""
     p = parser()
-    return plan(setting_from(p, p.parse_args([*PLAN_ARGS, "--max-length", str(max_length), *PLAN_SETTINGS[gpu]])))
+    flags = {**PLAN_SETTINGS, **FULL_CONTEXT_SETTINGS}[gpu]
+    return plan(setting_from(p, p.parse_args([*PLAN_ARGS, "--max-length", str(max_length), *flags])))
 
 
 def planned_row(gpu: str, experiment: str, quant: str = "none", max_length: int = SEQ) -> dict:
@@ -281,7 +284,7 @@ def draw_memory(ax) -> None:
     ax.plot([], [], "x", color="k", label="tracked on fake tensors (cp-ft, 2 and 4 ranks)")
     lim = limits()
     ax.axhline(lim["card"], color="#c44e52", lw=1.2)
-    ax.text(SEQ, lim["card"] + 0.3, f"a 24 GB card: {lim['card']:.2f} GiB", color="#c44e52", fontsize=8, ha="right")
+    ax.text(SEQ, lim["card"] + 0.3, f"an RTX 4090: {lim['card']:.2f} GiB", color="#c44e52", fontsize=8, ha="right")
     ax.axhline(lim["planner"], color="#c44e52", lw=1.0, ls=":")
     ax.text(
         1000,
@@ -335,11 +338,9 @@ def main() -> None:
     for gpu in PLAN_SETTINGS:
         rec = planned(gpu)["recommendation"]
         print(f"\n{gpu}: recommendation: {plan_label(rec)}: {rec['reason']}")
-    full = planned("rtx4090", FULL_CONTEXT)
-    print(
-        f"\nrtx4090 at --max-length {FULL_CONTEXT}: recommendation: {plan_label(full['recommendation'])}: "
-        f"{full['recommendation']['reason']}"
-    )
+    for gpu in FULL_CONTEXT_SETTINGS:
+        rec = planned(gpu, FULL_CONTEXT)["recommendation"]
+        print(f"\n{gpu} at --max-length {FULL_CONTEXT}: recommendation: {plan_label(rec)}: {rec['reason']}")
     w = work(2, SEQ)
     print(f"\ncp 2 at {SEQ:,} tokens: pairs per rank {w['pairs']}, whole {w['whole']:,}; contiguous {w['contiguous']}")
     print(f"K and V per token and layer: {kv_bytes_per_token_layer():,} B; TP+SP's: {hidden_bytes_per_token():,} B")

@@ -52,7 +52,7 @@ DECISIONS = [
     d(
         "tp-sp.md",
         "Long sequences do not fit, but a bf16 replica does:",
-        ["--gpus", "4", *RTX4090, "--max-length", "40960", *LONG],
+        ["--gpus", "4", "--gpu", "l4", "--max-length", "40960", *LONG],
         "cp-ft (dp2 x cp2)",
         "cp-ft (dp2 x cp2)",
         tokens=True,
@@ -129,8 +129,8 @@ DECISIONS = [
         "Across nodes, where TP stops at a node's GPUs",
         "--model Qwen/Qwen3-14B --gpus 16 --nodes 2 --gpu a100-40gb --link nvlink3 --max-length 40960 "
         "--micro-batch-size 1",
-        "fsdp-tp-ft (dp2 x tp8)",
-        "fsdp-tp-ft (dp2 x tp8)",
+        "fsdp-tp-ft (dp4 x tp4)",
+        "fsdp-tp-ft (dp4 x tp4)",
         tokens=True,
     ),
     # blogs/what-fills-gpu-memory.md, the decision tree (each branch up to the next) and "What to run on your GPUs"
@@ -165,8 +165,8 @@ DECISIONS = [
     d(
         "what-fills-gpu-memory.md",
         "FSDP's shards fit (bf16 or 4-bit)",
-        ["--gpus", "8", *RTX4090, "--max-length", "40960", *LONG],
-        "fsdp-ft --quant nf4 (dp8)",
+        ["--model", "Qwen/Qwen3-32B", "--gpus", "4", *RTX4090],
+        "fsdp-ft --quant nf4 (dp4)",
         "fsdp-ft [--quant nf4]",
     ),
     d(
@@ -179,7 +179,7 @@ DECISIONS = [
     d(
         "what-fills-gpu-memory.md",
         "a bf16 replica fits beside 1/N of them",
-        ["--gpus", "4", *RTX4090, "--max-length", "40960", *LONG],
+        ["--gpus", "4", "--gpu", "l4", "--max-length", "40960", *LONG],
         "cp-ft (dp2 x cp2)",
         "cp-ft",
     ),
@@ -195,7 +195,7 @@ DECISIONS = [
         "it does not, across nodes",
         "--model Qwen/Qwen3-14B --gpus 16 --nodes 2 --gpu a100-40gb --link nvlink3 --max-length 40960 "
         "--micro-batch-size 1",
-        "fsdp-tp-ft (dp2 x tp8)",
+        "fsdp-tp-ft (dp4 x tp4)",
         "fsdp-tp-ft",
     ),
     d(
@@ -237,7 +237,7 @@ DECISIONS = [
     d(
         "fsdp.md",
         "The bf16 replica does not fit, and you want a bf16 base",
-        ["--model", "Qwen/Qwen3-8B", "--gpus", "2", *RTX4090],
+        ["--model", "Qwen/Qwen3-8B", "--gpus", "2", *RTX4090, "--micro-batch-size", "4"],
         "ddp-ft --quant nf4 (dp2)",
         "ddp-ft --quant nf4",
     ),
@@ -251,8 +251,8 @@ DECISIONS = [
     d(
         "fsdp.md",
         "Even the 4-bit replica does not fit: shard.",
-        ["--gpus", "8", *RTX4090, "--max-length", "40960", *LONG],
-        "fsdp-ft --quant nf4 (dp8)",
+        ["--model", "Qwen/Qwen3-32B", "--gpus", "4", *RTX4090],
+        "fsdp-ft --quant nf4 (dp4)",
         "`fsdp-ft --quant nf4` where only 4-bit ones do",
     ),
     # blogs/cp.md, "What to run on two 24 GB cards"
@@ -265,8 +265,15 @@ DECISIONS = [
     ),
     d(
         "cp.md",
-        "at 40,960 tokens it picks cp-ft",
+        "At 40,960 tokens it picks 4-bit FSDP",
         ["--gpus", "2", *RTX4090, "--max-length", "40960", *LONG, "--batch-size", "8"],
+        "fsdp-ft --quant nf4 (dp2)",
+        "4-bit FSDP",
+    ),
+    d(
+        "cp.md",
+        "on two L4s it picks cp-ft",
+        ["--gpus", "2", "--gpu", "l4", "--max-length", "40960", *LONG, "--batch-size", "8"],
         "cp-ft (cp2)",
         "cp-ft",
     ),
