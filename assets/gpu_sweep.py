@@ -109,8 +109,8 @@ def parse() -> argparse.Namespace:
         "--predict",
         metavar="GPU",
         default=None,
-        help="no run: write every rung's planner prediction for this GPU (ftkit/hardware.py's key, its datasheet "
-        "memory) to --out/predictions-GPU.json",
+        help="no run: write every rung's planner prediction for this GPU (ftkit/hardware.py's key, its memory as "
+        "torch reports it) to --out/predictions-GPU.json",
     )
     opts = p.parse_args()
     opts.steps = opts.steps or (3 if opts.smoke else 6)
