@@ -259,9 +259,9 @@ def test_the_posts_numbers_are_their_sources(fig, post):
 
 def test_the_tp_sp_caveat_is_the_realscale_devlogs(post):
     devlog = flat((REALSCALE / "README.md").read_text())
-    assert "20,480 / 23,040 / 19,640 B at world 2 / 4 / 8 for tp-sp" in devlog
-    assert round(20480 * 32768 / GIB, 1) == 0.6
-    assert "20,480 B per token more than the model counts at 2 ranks: about 0.6 GiB more at 32,768 tokens" in flat(post)
+    assert "20,497 / 23,057 / 19,657 B at world 2 / 4 / 8 for tp-sp" in devlog
+    assert round(20497 * 32768 / GIB, 1) == 0.6
+    assert "20,497 B per token more than the model counts at 2 ranks: about 0.6 GiB more at 32,768 tokens" in flat(post)
 
 
 def test_the_posts_commands_exist():

@@ -243,6 +243,46 @@ def test_fsdp_tp_reduce_scatters_priced_at_the_bytes_the_committed_runs_sent(run
     assert timing.adapter_grad_bytes(tiny, s["config"]["lora_rank"], s["mesh"]["tp"]) == sent
 
 
+def test_the_pp_devlogs_case_table_is_what_the_planner_predicts(capsys):
+    """devlogs/pp-ft.md's cases on RTX 4090s: each row's pick and its tokens/s, and what becomes of pp-ft."""
+    devlog = (ROOT / "devlogs" / "pp-ft.md").read_text()
+    pattern = r"^\| (4B|14B|32B), (\d+)(?: on (\d+) nodes)? \| (-|`[^`]+`) \| `([^`]+)`, ([\d,]+) \| ([^|]+) \|$"
+    rows = re.findall(pattern, devlog, re.M)
+    assert len(rows) == 10
+    for size, gpus, nodes, flags, pick, tokens, pp in rows:
+        argv = [
+            "--model",
+            f"Qwen/Qwen3-{size}",
+            "--gpus",
+            gpus,
+            "--gpu",
+            "rtx4090",
+            *(["--nodes", nodes] * bool(nodes)),
+        ]
+        result = main([*argv, *(flags.strip("`").split() if flags != "-" else []), "--json"])
+        rec = result["recommendation"]
+        picked = next(r for r in result["techniques"] if all(r[k] == rec[k] for k in ("experiment", "mesh", "quant")))
+        assert (recommendation.label(rec), f"{picked['tokens_per_s']:,.0f}") == (pick, tokens), argv
+        pp_row = row(result, "pp-ft")
+        said = pp.strip()
+        if said.startswith("refused"):
+            assert "loads the whole bf16 base" in pp_row["refused"], argv
+        else:
+            assert pp_row["fits"] and f"{pp_row['tokens_per_s']:,.0f}" == said, argv
+    capsys.readouterr()
+
+
+def test_fsdp_all_gathers_priced_at_the_bytes_the_fake_tensor_run_sent():
+    """fsdp-ft at Qwen3-4B's shape (devlogs/runs/realscale/fsdp-world2.json): per micro-batch every layer twice with
+    its bf16 adapters, the embedding and final norm once, to the byte."""
+    r = json.loads((ROOT / "devlogs" / "runs" / "realscale" / "fsdp-world2.json").read_text())
+    c = r["config"]
+    assert (c["model"], c["layers"], c["quant"], c["lora_rank"]) == ("qwen3-4b-shape", 36, "none", 16)
+    per_micro = r["collective_bytes"]["all_gather"] / c["micro_steps_run"]
+    shape = memory.ModelShape.from_config(vars(settings.model_config("Qwen/Qwen3-4B")))
+    assert timing.fsdp_gather_bytes(shape, c["lora_rank"], "none") == per_micro
+
+
 @pytest.mark.parametrize(
     "argv",
     [

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import run_script
+from conftest import ROOT, run_script
 from torch.utils.flop_counter import FlopCounterMode
 
 from ftkit import activations, memory, models, realscale
@@ -480,3 +480,18 @@ def test_pp_last_stage_runs_the_scripts_1f1b_schedule_and_loss():
 def test_refusals_say_why(argv, message, capsys):
     assert command.main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("world, per_token", [(2, "20,497"), (4, "23,057")])
+def test_tp_sp_holds_more_than_the_model_at_long_sequences_as_the_devlog_says(world, per_token):
+    """At 2 x 8,192 tokens with checkpointing, tp-sp-ft's first layer's backward holds contiguous full-sequence
+    copies the memory model does not count (devlogs/runs/realscale/README.md, quoted by the CP and TP+SP posts):
+    the tracked peak less the predicted, per token, is the figure the devlog states."""
+    argv = ("--technique", "tp-sp", "--world", str(world), "--layers", "1", "--batch-size", "4")
+    proc = run_script("-m", "ftkit.realscale", *argv, "--max-length", "8192", "--json", timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout)
+    excess = (result["tracked_peak_bytes"] - result["predicted_bytes"]) / (2 * 8192)
+    assert f"{excess:,.0f}" == per_token
+    devlog = " ".join((ROOT / "devlogs" / "runs" / "realscale" / "README.md").read_text().split())
+    assert "20,497 / 23,057 / 19,657 B at world 2 / 4 / 8 for tp-sp" in devlog

@@ -96,6 +96,17 @@ def host_costs(s: Setting, quant: str, layers: int, passes: int) -> tuple[int, f
     return ops, host_micro, step_ops
 
 
+def fsdp_gather_bytes(shape: ModelShape, rank: int, quant: str, tp: int = 1) -> float:
+    """What FSDP all-gathers per micro-batch (whole buffers): every layer twice, in forward and again in backward
+    (resharded after forward), the root unit (the embedding and the final norm) once. A layer is its projections (bf16, or as 4-bit packed codes,
+    0.5 B per weight: their constants are resident on every rank), its norms and its LoRA adapters, gathered in
+    bf16 (`--param-dtype`); under TP, one rank's share of each."""
+    linear_bytes = NF4_PACKED_BYTES if quant == "nf4" else BF16
+    adapters = lora_params(shape, rank, tp=tp) / shape.layers
+    layer_bytes = shape.linear_params() / tp * linear_bytes + (shape.norm_params() + adapters) * BF16
+    return 2 * shape.layers * layer_bytes + (shape.embedding_params() + shape.hidden) * BF16
+
+
 def adapter_grad_bytes(shape: ModelShape, rank: int, tp: int = 1) -> int:
     """One rank's fp32 LoRA gradients, what FSDP reduce-scatters each step: under TP one half of each projection's
     adapter is split and the other whole on every rank (`memory.lora_params`), so not the whole adapter / tp."""
@@ -126,10 +137,7 @@ def exposed_comm(
     if technique == "ddp":
         exposed = max(0.0, coll("all_reduce", FP32 * n_lora, dp) - micro / 2)
     if technique in ("fsdp", "fsdp-tp"):
-        # a 4-bit layer is gathered as its packed codes, 0.5 B per weight (its constants are resident on every rank)
-        linear_bytes = NF4_PACKED_BYTES if quant == "nf4" else BF16
-        layer_bytes = shape.linear_params() / tp * linear_bytes + shape.norm_params() * BF16
-        gathers = coll("all_gather", 2 * shape.layers * layer_bytes + shape.embedding_params() * BF16, dp)
+        gathers = coll("all_gather", fsdp_gather_bytes(shape, s.lora_rank, quant, tp), dp)
         exposed = accum * (max(0.0, gathers - micro) + gathers / (2 * shape.layers))
         exposed += max(0.0, coll("reduce_scatter", adapter_grad_bytes(shape, s.lora_rank, tp), dp) - micro / 2)
     if technique in ("tp", "fsdp-tp"):
