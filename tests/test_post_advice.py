@@ -96,6 +96,13 @@ DECISIONS = [
     ),
     d(
         "fsdp-tp.md",
+        "with the host modelled as well",
+        "--model Qwen/Qwen3-32B --gpus 16 --nodes 2 --batch-size 64 --layout packed --host h100-vm",
+        "fsdp-tp-ft (dp8 x tp2)",
+        "`fsdp-tp-ft` (dp8 x tp2)",
+    ),
+    d(
+        "fsdp-tp.md",
         "No replica fits, not even in 4 bits",
         ["--model", "Qwen/Qwen3-32B", "--gpus", "8", *RTX4090],
         "fsdp-ft (dp8)",
