@@ -157,7 +157,7 @@ DECISIONS = [
     ),
     d(
         "what-fills-gpu-memory.md",
-        "only the 4-bit replica fits, all GPUs on one node",
+        "only the 4-bit replica fits DDP, all GPUs on one node",
         "--model Qwen/Qwen3-32B --gpus 8 --batch-size 64",
         "fsdp-ft (dp8)",
         "fsdp-ft",
