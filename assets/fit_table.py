@@ -48,13 +48,13 @@ def table(result: dict) -> str:
     for r in result["rows"]:
         base = "bf16 LoRA" if r["quant"] == "none" else "QLoRA"
         if "chosen" not in r:
-            lines.append(f"| {r['gpu']} ({r['memory_bytes'] / 2**30:.2f} GiB) | {base} | {r['off']} | | | |")
+            lines.append(f"| {r['gpu']} ({r['memory_bytes'] / GIB:.2f} GiB) | {base} | {r['off']} | | | |")
             continue
         c, p = r["chosen"], r["predicted"]
         layout = f"{c['micro_batch_tokens']} tokens" if c["micro_batch_tokens"] else "2 rows"
         reference = f"{r['reference_tokens_per_s']:,.0f}" if r["reference_tokens_per_s"] else "does not fit"
         lines.append(
-            f"| {r['gpu']} ({r['memory_bytes'] / 2**30:.2f} GiB) | {base} | {layout}, checkpointing {c['checkpointing']} "
+            f"| {r['gpu']} ({r['memory_bytes'] / GIB:.2f} GiB) | {base} | {layout}, checkpointing {c['checkpointing']} "
             f"| {p['memory_bytes'] / GIB:.1f} GiB ({p['required_bytes'] / GIB:.1f}) | {p['tokens_per_s']:,.0f} "
             f"| {reference} |"
         )

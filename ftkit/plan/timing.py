@@ -98,9 +98,9 @@ def host_costs(s: Setting, quant: str, layers: int, passes: int) -> tuple[int, f
 
 def fsdp_gather_bytes(shape: ModelShape, rank: int, quant: str, tp: int = 1) -> float:
     """What FSDP all-gathers per micro-batch (whole buffers): every layer twice, in forward and again in backward
-    (resharded after forward), the root unit (the embedding and the final norm) once. A layer is its projections (bf16, or as 4-bit packed codes,
-    0.5 B per weight: their constants are resident on every rank), its norms and its LoRA adapters, gathered in
-    bf16 (`--param-dtype`); under TP, one rank's share of each."""
+    (resharded after forward), the root unit (the embedding and the final norm) once. A layer is its projections
+    (bf16, or as 4-bit packed codes, 0.5 B per weight: their constants are resident on every rank), its norms and
+    its LoRA adapters, gathered in bf16 (`--param-dtype`); under TP, one rank's share of each."""
     linear_bytes = NF4_PACKED_BYTES if quant == "nf4" else BF16
     adapters = lora_params(shape, rank, tp=tp) / shape.layers
     layer_bytes = shape.linear_params() / tp * linear_bytes + (shape.norm_params() + adapters) * BF16
