@@ -11,7 +11,10 @@ from dataclasses import dataclass
 import pytest
 from conftest import ROOT
 
+from ftkit import hardware
+from ftkit.memory import GIB
 from ftkit.plan.__main__ import main
+from ftkit.plan.layouts import ami_rows
 from ftkit.plan.recommendation import label
 
 RTX4090 = ["--gpu", "rtx4090", "--link", "pcie4"]
@@ -76,7 +79,7 @@ DECISIONS = [
     d(
         "fsdp-tp.md",
         "The job fits on one GPU",
-        ["--gpus", "16", "--nodes", "2", *RTX4090, "--batch-size", "32"],
+        ["--gpus", "16", "--nodes", "2", *RTX4090, "--batch-size", "64"],
         "ddp-ft --quant none (dp16)",
         "ddp-ft --quant none",
     ),
@@ -230,7 +233,7 @@ DECISIONS = [
     d(
         "fsdp.md",
         "Freed memory alone is no reason:",
-        ["--gpus", "2", *RTX4090, "--micro-batch-size", "8"],
+        ["--gpus", "2", *RTX4090, "--micro-batch-size", "8", "--batch-size", "32"],
         "ddp-ft --quant none (dp2)",
         "the planner keeps DDP",
     ),
@@ -312,6 +315,37 @@ DECISIONS = [
 ]
 
 
+# A case holds for what the scripts run, not only for the planner's defaults (every row --max-length real tokens, the
+# host not modelled, torch's total_memory of the datasheet's card): its pick is the same with the AMI span examples
+# packed as the scripts pack them (cases at lengths the examples reach: AMI_LONGEST), with the committed runs' host on
+# the GPUs it was calibrated on, and with 0.15 GiB less memory (drivers move total_memory by ~0.1 GiB). Longer cases
+# are sequences that long (cp-ft's whole meetings, one per row): the full layout is their case. Where a case's pick
+# does change, the post must say so: STATED names the variant, the other pick, and the words the post says it with.
+AMI_LONGEST = 20_632  # the longest AMI training example, Qwen3 tokens, prompt and answer included (ami_lengths.json)
+HOSTED = {"h100-sxm": "h100-vm", "h100-pcie": "h100-vm", "h200": "h200-vm"}
+STATED = {
+    ("fsdp-tp.md", "Only a 4-bit replica fits, across nodes"): ("packed, host", "fsdp-tp-ft (dp8 x tp2)", "host"),
+    ("what-fills-gpu-memory.md", "2 nodes × 8 H100 on InfiniBand with Qwen3-32B"): (
+        "packed, host",
+        "fsdp-tp-ft (dp8 x tp2)",
+        "fsdp-tp-ft",
+    ),
+    ("cp.md", "At 40,960 tokens it picks 4-bit FSDP"): ("-0.15 GiB", "cp-ft (cp2)", "0.08 GiB to spare"),
+}
+
+
+def variants(argv: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """The case's flags as the scripts run it, by variant name (see above)."""
+    flag = dict(zip(argv, argv[1:]))
+    gpu = flag.get("--gpu", "h100-sxm")
+    out = {"-0.15 GiB": (*argv, "--gpu-memory-gib", f"{hardware.gpu(gpu).memory_bytes / GIB - 0.15:.3f}")}
+    if "--layout" not in flag and int(flag.get("--max-length", 2048)) <= AMI_LONGEST:
+        out["packed"] = (*argv, "--layout", "packed")
+        if gpu in HOSTED:
+            out["packed, host"] = (*argv, "--layout", "packed", "--host", HOSTED[gpu])
+    return out
+
+
 def normalized(text: str) -> str:
     return " ".join(text.split())
 
@@ -354,6 +388,24 @@ def test_the_post_names_what_the_planner_recommends(decision, plans, capsys):
             if (r["experiment"], r["mesh"], r["quant"]) == (rec["experiment"], rec["mesh"], rec["quant"])
         )
         assert f"{row['tokens_per_s']:,.0f}" in said, said
+
+
+def test_ami_longest_is_the_longest_example():
+    assert max(fixed + transcript for fixed, transcript, *_ in ami_rows()) == AMI_LONGEST
+
+
+@pytest.mark.parametrize("decision", DECISIONS, ids=[f"{x.post}:{x.phrase[:40]}:{x.recommended}" for x in DECISIONS])
+def test_each_case_holds_for_what_the_scripts_run(decision, plans, capsys):
+    stated = STATED.get((decision.post, decision.phrase))
+    for name, argv in variants(decision.argv).items():
+        rec = plans(argv)["recommendation"]
+        capsys.readouterr()
+        picked = label(rec) if rec["technique"] else "none"
+        if stated and stated[0] == name:
+            assert picked == stated[1], (name, argv, rec["reason"])
+            assert stated[2] in statement(decision.post, decision.phrase), stated
+        else:
+            assert picked == decision.recommended, f"{name}: {argv} picks {picked}, not {decision.recommended}"
 
 
 def test_no_case_the_posts_give_recommends_a_pipeline(plans, capsys):

@@ -35,6 +35,11 @@ def print_table(result: dict, model: str) -> None:
     )
     for note in notes or []:
         print(f"  {note}")
+    if notes is None:  # the default, full layout: say what the scripts run instead
+        print(
+            "  every row --max-length real tokens; the scripts pack AMI's examples into rows, --micro-batch-size "
+            "rows a micro-batch: --layout packed predicts that"
+        )
     host = "" if notes is None else f" {'host s':>7} {'mb/step':>7}"
     print(f"{'experiment':<30} {'mesh':<14} {'quant':<5} {'need GiB':>8} {'fits':<4} {'compute s':>9} "
           f"{'comm s':>7} {'bubble s':>8}{host} {'step s':>7} {'tokens/s':>9}")  # fmt: skip
