@@ -59,7 +59,8 @@ its host: the GPU computed 3.39 s of a 5.77 s step (devlogs/single-gpu-ft.md). W
 - Layout: "full" (the default) every row --max-length real tokens, as before; "padded", "packed" and "masked" the
   AMI training examples (`AMI_LENGTHS`: in Qwen3's tokens, or with `--tokenizer tiny` the tiny tokenizer's, which the
   committed H100 runs tokenized) in the scripts' own global batches (`data.GlobalBatches`, `data.pack`) over an
-  epoch: the step time is their median, tokens/s their real tokens over their time.
+  epoch: the step time is their median, tokens/s their real tokens over their time; memory counts the lm_head at
+  the most answer positions a row holds (a packed row of 2,048 up to 446), not --answer-tokens.
 Without `--host` the host costs nothing and the GPU computes at 40%: the GPU-only model above, whose numbers the
 posts quote. Every output with the host or an AMI layout is labelled a prediction and lists what it assumes.
 

@@ -124,8 +124,9 @@ def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> di
         steps = [step_time(s, technique, mesh, quant, step) for step in layout_steps(s, dp)]
     except ValueError as e:  # no op count for this setting's host (host_ops_per_micro says which)
         return {**row, "refused": str(e)}
-    if s.micro_batch_tokens:  # one row of many examples: the lm_head at the most answer positions a row holds
-        s = dataclasses.replace(s, answer_tokens=max(m.answers for p in steps for m in p["micros"]))
+    if s.layout != "full":  # the AMI rows: the lm_head at the most answer positions a row holds (a packed row of
+        # several examples, up to 446 at 2,048 tokens), not --answer-tokens' 256 per sequence
+        s = dataclasses.replace(s, answer_tokens=max(m.answers // m.rows for p in steps for m in p["micros"]))
     memory = memory_bytes(s, technique, mesh, quant, accum)
     required = memory * MEMORY_MARGIN + s.reserve_bytes
     out = {
