@@ -9,16 +9,18 @@ takes the one the planner predicts fastest (real tokens/s over one epoch of the 
 has calibrated). The step is the same math whatever is chosen (the parity tests hold for every layout and every
 checkpointing), so the choice changes speed and memory only.
 
-Every rank makes the same choice: it depends on the flags, the GPU's name and memory and the world size, the same on
-every rank of a job on one kind of GPU. A flag the command line gives for what the fit chooses (--micro-batch-size,
---micro-batch-tokens, --checkpointing, --no-grad-checkpointing) turns it off, as does a resumed run (it keeps the
-layout it recorded). The choice is printed in one line and recorded (config.json's `fit_choice`); a run that then
-runs out of memory says what the memory model predicted (`errors.memory_prediction`, printed by `ranks.launch`)."""
+Every rank makes the same choice: it depends on the flags, the GPU's name and memory, the world size and the ranks
+per node, the same on every rank of a job on one kind of GPU. A flag the command line gives for what the fit chooses
+(--micro-batch-size, --micro-batch-tokens, --checkpointing, --no-grad-checkpointing) turns it off, as does a resumed
+run (it keeps the layout it recorded). The choice is printed in one line and recorded (config.json's `fit_choice`);
+a run that then runs out of memory says what the memory model predicted (`errors.memory_prediction`, printed by
+`ranks.launch`)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 import torch
 
@@ -81,6 +83,13 @@ def world_size() -> int:
     return torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
 
 
+def nodes(world: int) -> int:
+    """The job's nodes: its world over the ranks torchrun starts on each node (LOCAL_WORLD_SIZE, the same on every
+    node), so that the planner prices the collectives that cross nodes on the link between them."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return world // local if 0 < local <= world and world % local == 0 else 1
+
+
 def default_mesh(args: argparse.Namespace) -> dict[str, int]:
     world = world_size()
     return {"dp": world} if TECHNIQUE[args.experiment] in ("ddp", "fsdp") else {"tp": world} if world > 1 else {}
@@ -92,9 +101,9 @@ def setting(args: argparse.Namespace, gpu: hardware.GPU, memory_bytes: float, wo
         config=settings.model_config(args.model),
         gpu=gpu,
         gpus=world,
-        nodes=1,
+        nodes=nodes(world),
         link=hardware.LINKS[gpu.link],
-        inter_node_link=hardware.LINKS["ib-ndr"],
+        inter_node_link=hardware.LINKS["ib-ndr"],  # the planner's default between nodes: InfiniBand NDR
         memory_bytes=memory_bytes,
         batch_size=args.batch_size,
         micro_batch_size=args.micro_batch_size,

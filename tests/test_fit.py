@@ -84,3 +84,18 @@ def test_global_batches_take_the_choice_before_the_model_and_record_it(monkeypat
 def test_the_devlogs_fit_table_is_what_the_fit_chooses():
     module = runpy.run_path(str(ROOT / "assets" / "fit_table.py"))
     assert module["table"](module["main"]()) in (ROOT / "devlogs" / "single-gpu-ft.md").read_text()
+
+
+def test_a_job_across_nodes_is_priced_across_nodes(monkeypatch):
+    """torchrun's LOCAL_WORLD_SIZE gives the nodes: 16 ranks, 8 a node, are 2 nodes, and FSDP's collectives over
+    all 16 then cross the slower link between them; without it (a single-node launch) the job is one node."""
+    args, gpu = gpu_args("--batch-size", "64"), hardware.gpu("h100-sxm")
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    one = fit.setting(args, gpu, gpu.memory_bytes, 16)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    two = fit.setting(args, gpu, gpu.memory_bytes, 16)
+    assert (one.nodes, two.nodes) == (1, 2)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")  # not a divisor of the world: no node count to trust
+    assert fit.setting(args, gpu, gpu.memory_bytes, 16).nodes == 1
+    step = [techniques.evaluate(s, "fsdp", {"dp": 16}, "none")["step_time_s"] for s in (one, two)]
+    assert step[1] > step[0]
