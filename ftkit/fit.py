@@ -87,7 +87,7 @@ def nodes(world: int) -> int:
     """The job's nodes: its world over the ranks torchrun starts on each node (LOCAL_WORLD_SIZE, the same on every
     node), so that the planner prices the collectives that cross nodes on the link between them."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return world // local if 0 < local <= world and world % local == 0 else 1
+    return world // local if local > 0 and world % local == 0 else 1
 
 
 def default_mesh(args: argparse.Namespace) -> dict[str, int]:
