@@ -146,6 +146,7 @@ def predict(summary: dict, technique: str, mesh: dict[str, int], cal: dict, mfu:
         **settings.run_flags(c),
         mfu=mfu,
         link_efficiency=1.0,
+        layout="full",  # priced as this page always was: every row --max-length real tokens
     )
     return techniques.evaluate(s, technique, mesh, c.get("quant") or "none")
 

@@ -14,7 +14,7 @@ from conftest import ROOT
 from ftkit import hardware
 from ftkit.memory import GIB
 from ftkit.plan.__main__ import main
-from ftkit.plan.layouts import ami_rows
+from ftkit.plan.layouts import longest
 from ftkit.plan.recommendation import label
 
 RTX4090 = ["--gpu", "rtx4090", "--link", "pcie4"]
@@ -100,7 +100,7 @@ DECISIONS = [
     d(
         "fsdp-tp.md",
         "with the host modelled as well",
-        "--model Qwen/Qwen3-32B --gpus 16 --nodes 2 --batch-size 64 --layout packed --host h100-vm",
+        "--model Qwen/Qwen3-32B --gpus 16 --nodes 2 --batch-size 64 --host h100-vm",
         "fsdp-tp-ft (dp8 x tp2)",
         "`fsdp-tp-ft` (dp8 x tp2)",
     ),
@@ -315,13 +315,12 @@ DECISIONS = [
 ]
 
 
-# A case holds for what the scripts run, not only for the planner's defaults (every row --max-length real tokens, the
-# host not modelled, torch's total_memory of the datasheet's card): its pick is the same with the AMI span examples
-# packed as the scripts pack them (cases at lengths the examples reach: AMI_LONGEST), with the committed runs' host on
-# the GPUs it was calibrated on, and with 0.15 GiB less memory (drivers move total_memory by ~0.1 GiB). Longer cases
-# are sequences that long (cp-ft's whole meetings, one per row): the full layout is their case. Where a case's pick
-# does change, the post must say so: STATED names the variant, the other pick, and the words the post says it with.
-AMI_LONGEST = 20_632  # the longest AMI training example, Qwen3 tokens, prompt and answer included (ami_lengths.json)
+# A case holds for what the scripts run, not only for the planner's defaults (the scripts' own layout: AMI's span
+# examples packed where they reach --max-length, every row --max-length real tokens beyond; the host not modelled;
+# torch's total_memory of the datasheet's card): its pick is the same on full rows (the layout the posts quoted
+# before it was the default), with the committed runs' host on the GPUs it was calibrated on, and with 0.15 GiB less
+# memory (drivers move total_memory by ~0.1 GiB). Where a case's pick does change, the post must say so: STATED names
+# the variant, the other pick, and the words the post says it with.
 HOSTED = {"h100-sxm": "h100-vm", "h100-pcie": "h100-vm", "h200": "h200-vm"}
 STATED = {
     ("fsdp-tp.md", "Only a 4-bit replica fits, across nodes"): ("packed, host", "fsdp-tp-ft (dp8 x tp2)", "host"),
@@ -339,10 +338,10 @@ def variants(argv: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
     flag = dict(zip(argv, argv[1:]))
     gpu = flag.get("--gpu", "h100-sxm")
     out = {"-0.15 GiB": (*argv, "--gpu-memory-gib", f"{hardware.gpu(gpu).memory_bytes / GIB - 0.15:.3f}")}
-    if "--layout" not in flag and int(flag.get("--max-length", 2048)) <= AMI_LONGEST:
-        out["packed"] = (*argv, "--layout", "packed")
+    if not {"--layout", "--host"} & set(flag) and int(flag.get("--max-length", 2048)) <= longest():
+        out["full"] = (*argv, "--layout", "full")
         if gpu in HOSTED:
-            out["packed, host"] = (*argv, "--layout", "packed", "--host", HOSTED[gpu])
+            out["packed, host"] = (*argv, "--host", HOSTED[gpu])
     return out
 
 
@@ -388,10 +387,6 @@ def test_the_post_names_what_the_planner_recommends(decision, plans, capsys):
             if (r["experiment"], r["mesh"], r["quant"]) == (rec["experiment"], rec["mesh"], rec["quant"])
         )
         assert f"{row['tokens_per_s']:,.0f}" in said, said
-
-
-def test_ami_longest_is_the_longest_example():
-    assert max(fixed + transcript for fixed, transcript, *_ in ami_rows()) == AMI_LONGEST
 
 
 @pytest.mark.parametrize("decision", DECISIONS, ids=[f"{x.post}:{x.phrase[:40]}:{x.recommended}" for x in DECISIONS])

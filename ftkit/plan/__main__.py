@@ -13,6 +13,7 @@ import json
 from ftkit import errors, hardware, models
 from ftkit.lora import checkpoint_every
 from ftkit.memory import GIB
+from ftkit.plan import layouts
 from ftkit.plan.hosts import ASSUMED_MFU, HOSTS
 from ftkit.plan.layouts import AMI_LENGTHS, LAYOUTS
 from ftkit.plan.recommendation import label, mesh_label, plan
@@ -35,10 +36,16 @@ def print_table(result: dict, model: str) -> None:
     )
     for note in notes or []:
         print(f"  {note}")
-    if notes is None:  # the default, full layout: say what the scripts run instead
+    if notes is None:  # the full layout: say why, and what the scripts run on AMI's examples
+        longest = layouts.longest(st.get("tokenizer", models.QWEN3))
+        why = (
+            f"--max-length is beyond AMI's longest example, {longest:,} tokens: data longer than AMI's spans"
+            if st["max_length"] > longest
+            else "--layout full"
+        )
         print(
-            "  every row --max-length real tokens; the scripts pack AMI's examples into rows, --micro-batch-size "
-            "rows a micro-batch: --layout packed predicts that"
+            f"  every row --max-length real tokens ({why}); the scripts pack AMI's examples into rows, "
+            "--micro-batch-size rows a micro-batch: --layout packed predicts that"
         )
     host = "" if notes is None else f" {'host s':>7} {'mb/step':>7}"
     print(f"{'experiment':<30} {'mesh':<14} {'quant':<5} {'need GiB':>8} {'fits':<4} {'compute s':>9} "
@@ -111,8 +118,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--layout",
         choices=LAYOUTS,
-        default="full",
-        help="full: every row --max-length real tokens (the GPU-only model's upper bound); padded: the AMI training "
+        default="auto",
+        help="auto: the scripts' own, packed where AMI's examples reach --max-length, full beyond them (longer data, "
+        "e.g. cp-ft's whole meetings); full: every row --max-length real tokens; padded: the AMI training "
         "examples one per row, right-padded per micro-batch (--no-packing); packed: packed into rows of up to "
         "--max-length, each micro-batch as wide as its fullest row (the scripts' default); masked: padded with the "
         "padding mask passed (the committed H100 runs)",
@@ -153,7 +161,7 @@ def setting_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> Settin
         p.error(str(e))
     if args.checkpointing not in (None, "none") and not args.grad_checkpointing:
         p.error(f"--checkpointing {args.checkpointing} and --no-grad-checkpointing (--checkpointing none) disagree")
-    if args.micro_batch_tokens and (args.layout != "packed" or args.micro_batch_tokens < args.max_length):
+    if args.micro_batch_tokens and (args.layout not in ("auto", "packed") or args.micro_batch_tokens < args.max_length):
         p.error("--micro-batch-tokens: one packed row (--layout packed) of at least --max-length positions")
     if args.gpus < 1 or args.nodes < 1 or args.gpus % args.nodes:
         p.error(f"--gpus {args.gpus} must be a positive multiple of --nodes {args.nodes} (GPUs per node alike)")

@@ -3,6 +3,7 @@ computed), from the AMI training examples' lengths in the scripts' own global ba
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 from dataclasses import dataclass
@@ -11,13 +12,14 @@ from pathlib import Path
 from ftkit import batching, data, models
 from ftkit.plan.settings import Setting
 
-# The layouts: "full", every row --max-length real tokens (the planner's upper bound before issue 30); "padded", the
-# AMI training examples (AMI_LENGTHS) in the scripts' length-grouped global batches, one example per row, each
-# micro-batch right-padded to its longest (--no-packing); "packed", the same global batches packed into rows of
-# at most --max-length (batching.pack, first-fit decreasing), --micro-batch-size rows per micro-batch as wide as the
-# fullest (batching.packed_width), each rank the same number of micro-steps; "masked", "padded" as the scripts ran it
-# until issue 30, the padding mask passed (the H100 runs).
-LAYOUTS = ("full", "padded", "packed", "masked")
+# The layouts: "auto" (the command's default), the scripts' own: "packed" where AMI's examples reach --max-length,
+# "full" beyond them (`resolve`); "full", every row --max-length real tokens (the planner's only layout
+# before issue 30); "padded", the AMI training examples (AMI_LENGTHS) in the scripts' length-grouped global batches,
+# one example per row, each micro-batch right-padded to its longest (--no-packing); "packed", the same global batches
+# packed into rows of at most --max-length (batching.pack, first-fit decreasing), --micro-batch-size rows per
+# micro-batch as wide as the fullest (batching.packed_width), each rank the same number of micro-steps; "masked",
+# "padded" as the scripts ran it until issue 30, the padding mask passed (the H100 runs).
+LAYOUTS = ("auto", "full", "padded", "packed", "masked")
 # The AMI training examples' token counts, per tokenizer: Qwen3's own (`qwen3`: what a Qwen3-4B run, and since issue 42
 # a qwen3-4b-shape run, tokenizes; the planner's default) and the tiny tokenizer's (`tiny`: what the committed H100
 # runs tokenized, as qwen3-4b-shape did before issue 42, so their batches are rebuilt from it). Written by
@@ -58,6 +60,22 @@ def ami_rows(tokenizer: str = models.QWEN3) -> tuple[tuple[int, ...], ...]:
 def ami_examples(max_length: int, tokenizer: str = models.QWEN3) -> tuple[tuple[int, int], ...]:
     """(tokens, target tokens) of each AMI training example data.ChatFormatter keeps at `max_length`, in order."""
     return tuple(kept[:2] for row in ami_rows(tokenizer) if (kept := fit(row, max_length)) is not None)
+
+
+@functools.cache
+def longest(tokenizer: str = models.QWEN3) -> int:
+    """The longest AMI training example, whole, in the tokenizer's tokens (20,632 in Qwen3's)."""
+    return max(fixed + transcript for fixed, transcript, _, _ in ami_rows(tokenizer))
+
+
+def resolve(s: Setting) -> Setting:
+    """The setting with "auto" made the layout the scripts run: "packed" (their default) where AMI's examples reach
+    --max-length or a token budget packs rows; beyond the longest example, "full": --max-length is then for data
+    longer than AMI's spans (whole meetings, cp-ft's), every row --max-length real tokens."""
+    if s.layout != "auto":
+        return s
+    packed = s.micro_batch_tokens or s.max_length <= longest(s.tokenizer)
+    return dataclasses.replace(s, layout="packed" if packed else "full")
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ftkit.memory import GIB
 from ftkit.plan.hosts import HOSTS, NF4_PASS_S, host_calibration, ops_source
+from ftkit.plan.layouts import resolve
 from ftkit.plan.settings import Setting
 from ftkit.plan.techniques import EXPERIMENTS, MEMORY_MARGIN, candidates, evaluate
 
@@ -73,6 +74,7 @@ def recommend(rows: list[dict], s: Setting) -> dict:
 
 def plan(s: Setting) -> dict:
     rows = [evaluate(s, *c) for c in candidates(s)]
+    auto, s = s.layout == "auto", resolve(s)
     op_s, mfu = host_calibration(s)
     result = {
         "setting": {
@@ -99,12 +101,13 @@ def plan(s: Setting) -> dict:
     if not s.legacy:
         result["setting"].update(layout=s.layout, compile=s.compile, host=s.host, seed=s.seed, tokenizer=s.tokenizer)
         result["assumptions"].update(host_op_s=op_s, nf4_pass_s=NF4_PASS_S if op_s else 0.0)
-        result["prediction"] = prediction_notes(s, rows)
+        result["prediction"] = prediction_notes(s, rows, auto)
     return result
 
 
-def prediction_notes(s: Setting, rows: list[dict]) -> list[str]:
-    """What a prediction with the host or an AMI layout assumes, in words, each number's source named."""
+def prediction_notes(s: Setting, rows: list[dict], auto: bool = False) -> list[str]:
+    """What a prediction with the host or an AMI layout assumes, in words, each number's source named; `auto`: the
+    layout is the command's default, the scripts' own."""
     op_s, mfu = host_calibration(s)
     done = [r for r in rows if "refused" not in r]
     steps = done[0]["steps_predicted"] if done else 0
@@ -121,6 +124,8 @@ def prediction_notes(s: Setting, rows: list[dict]) -> list[str]:
     }[s.layout]
     if s.layout != "full":
         layout += f"; the examples in the {s.tokenizer} tokenizer's tokens; step time: the median of {steps} steps"
+    if auto:
+        layout = "the scripts' own (--layout auto): " + layout
     notes.append(f"layout: {layout}")
     if op_s:
         compiled = (

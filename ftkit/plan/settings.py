@@ -67,8 +67,8 @@ class Setting:
     mfu: float | None = None  # the GPU kernels' fraction of the dense bf16 peak [the host's calibration, or 0.4]
     link_efficiency: float = 0.8
     reserve_bytes: float = GIB
-    # The host and the batch layout (issue 30). The defaults are the GPU-only model at full-length rows.
-    layout: str = "full"  # full | padded | packed | masked: see LAYOUTS
+    # The host and the batch layout (issue 30). The defaults are the GPU-only model on the scripts' own layout.
+    layout: str = "auto"  # auto | full | padded | packed | masked: see LAYOUTS (auto: layouts.resolve)
     compile: bool = False  # the decoder layers compiled (the host's count: COMPILED_OPS, a prediction)
     host: str | None = None  # a calibrated host (HOSTS), or None: the host is not modelled (its cost 0)
     host_op_s: float | None = None  # seconds per op on the host [the host's calibration]

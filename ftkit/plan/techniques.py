@@ -8,7 +8,7 @@ import statistics
 
 from ftkit import batching, errors, ranks
 from ftkit.memory import GIB, lora_params, predict
-from ftkit.plan.layouts import layout_steps
+from ftkit.plan.layouts import layout_steps, resolve
 from ftkit.plan.settings import Setting
 from ftkit.plan.timing import step_time
 
@@ -35,7 +35,8 @@ EXPERIMENTS = {
 
 CP_LAYOUT = (
     "cp-ft trains whole meetings (--task meetings), one padded row per micro-batch; the AMI layouts are the span "
-    "examples the other scripts train on: plan cp-ft with --layout full, every row --max-length tokens"
+    "examples the other scripts train on: plan cp-ft with --layout full, every row --max-length tokens (the default "
+    "beyond AMI's longest example)"
 )
 
 
@@ -96,7 +97,8 @@ def check_whole_model_loads(s: Setting, quant: str = "none") -> None:
 def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> dict:
     """One row: the memory and step-time prediction, or the reason the experiment refuses this setting (its own
     error message where it has one). With the AMI layouts, the step time is the median over the layout's steps and
-    tokens/s their real tokens over their time."""
+    tokens/s their real tokens over their time; "auto" is the layout the scripts run (`layouts.resolve`)."""
+    s = resolve(s)
     row = {"technique": technique, "experiment": EXPERIMENTS[technique], "mesh": mesh, "quant": quant}
     shape, cfg = s.shape, s.config
     dp, tp, pp, cp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1), mesh.get("cp", 1)
