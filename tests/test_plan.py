@@ -592,13 +592,17 @@ def test_without_a_host_the_planner_is_the_gpu_only_model_it_was():
 
 
 def test_the_commands_default_layout_is_the_scripts():
-    """--layout auto (the default): the scripts' packed rows where AMI's examples reach --max-length, full rows
-    beyond the longest of them (20,632 of Qwen3's tokens)."""
+    """--layout auto (the default): the scripts' packed rows where AMI's examples reach --max-length (pp-ft's own
+    aside: below), full rows beyond the longest of them (20,632 of Qwen3's tokens)."""
     assert layouts.longest() == 20632
+
+    def packed_ones(argv: list[str]) -> list[dict]:
+        return [r for r in main(argv)["techniques"] if r["technique"] != "pp"]
+
     base = ["--gpus", "2", "--json"]
-    assert main(base)["techniques"] == main([*base, "--layout", "packed"])["techniques"]
+    assert packed_ones(base) == packed_ones([*base, "--layout", "packed"])
     at = ["--gpus", "2", "--max-length", str(layouts.longest()), "--micro-batch-size", "1", "--steps", "2", "--json"]
-    assert main(at)["techniques"] == main([*at, "--layout", "packed"])["techniques"]
+    assert packed_ones(at) == packed_ones([*at, "--layout", "packed"])
     assert main(base)["prediction"][1].startswith("layout: the scripts' own (--layout auto): the same global batches")
 
 
@@ -781,3 +785,16 @@ def test_fsdp_in_4_bits_is_refused_where_the_whole_4_bit_base_does_not_fit_one_g
     result = recommendation.plan(dataclasses.replace(s, batch_size=64))
     assert "loads the whole 4-bit base" in row(result, "fsdp-ft", quant="nf4")["refused"]
     assert "refused" not in row(result, "fsdp-ft", quant="none")
+
+
+def test_pp_ft_is_planned_on_its_own_rows(capsys):
+    """pp-ft pads every example to --max-length, the one shape its stages are built for (batching.collate_pipeline):
+    by default its row is --layout fixed's, as many positions as full rows compute (about half of them padding at
+    2,048), so fewer real tokens/s than full rows; the others' rows are packed."""
+    base = ["--gpus", "2", "--gpu", "rtx4090", "--link", "pcie4", "--json"]
+    auto, fixed, full = (main([*base, *flags]) for flags in ([], ["--layout", "fixed"], ["--layout", "full"]))
+    capsys.readouterr()
+    assert row(auto, "pp-ft") == row(fixed, "pp-ft")
+    assert row(auto, "ddp-ft", quant="none")["padding_fraction"] < 0.1 < 0.4 < row(auto, "pp-ft")["padding_fraction"]
+    assert row(auto, "pp-ft")["tokens_per_s"] < 0.6 * row(full, "pp-ft")["tokens_per_s"]
+    assert "pp-ft's one example per row, right-padded to --max-length" in auto["prediction"][1]

@@ -12,9 +12,10 @@ A model, not a measurement; every term is a formula in this repository or a stat
   (devlogs/runs/realscale/).
 - Compute: the MFU convention's FLOPs (`metrics.step_flops`, over the layout's rows: below) plus the
   forward that activation checkpointing recomputes, at --mfu of the GPU's dense bf16 peak (`ftkit/hardware.py`),
-  split over the GPUs the experiment uses (with data parallelism, rank 0's rows: the fullest). 0.4 is an assumption (well-tuned dense training: PaLM reports
-  46.2%); single-gpu-ft measured 4.8% on an H100 (devlogs/single-gpu-ft.md), whose step was bound by its host, not
-  its GPU: the host model below (`--host h100-vm`) reproduces it.
+  split over the GPUs the experiment uses (with data parallelism, rank 0's rows: the fullest). 0.4 is an
+  assumption (well-tuned dense training: PaLM reports 46.2%); single-gpu-ft measured 4.8% on an H100
+  (devlogs/single-gpu-ft.md), whose step was bound by its host, not its GPU: the host model below (`--host h100-vm`)
+  reproduces it.
 - NF4 (QLoRA): every pass over a layer (forward, recomputed forward, backward) dequantizes its weights, reading
   the 4-bit weights and writing bf16 ones through the GPU's memory at its datasheet bandwidth.
 - Communication: the alpha-beta model of a ring (bytes from `comm.ring_wire_bytes`, at --link-efficiency of the
@@ -56,10 +57,12 @@ its host: the GPU computed 3.39 s of a 5.77 s step (devlogs/single-gpu-ft.md). W
   peak the same profiled step's kernels reached while the GPU computed (`--mfu` overrides it).
 - Step: the host runs ahead of the GPU (`queue`): a micro-batch costs max(host, GPU), the technique's exposed
   communication and bubble on top, as above.
-- Layout: "auto" (the default) the scripts' own: "packed" where AMI's examples reach --max-length (up to 20,632
-  tokens), "full" beyond, where --max-length is for longer data (cp-ft's whole meetings); "full" every row
-  --max-length real tokens, as before issue 30; "padded", "packed" and "masked" the AMI training examples (`AMI_LENGTHS`: in Qwen3's tokens, or with `--tokenizer tiny` the tiny tokenizer's, which the
-  committed H100 runs tokenized) in the scripts' own global batches (`data.GlobalBatches`, `data.pack`) over an
+- Layout: "auto" (the default) each script's own: "packed" where AMI's examples reach --max-length (up to 20,632
+  tokens; pp-ft "fixed", its stages' one shape), "full" beyond, where --max-length is for longer data (cp-ft's
+  whole meetings); "full" every row --max-length real tokens, as before issue 30; "padded", "packed", "masked" and
+  "fixed" (one example per row, right-padded to --max-length) the AMI training examples (`AMI_LENGTHS`: in Qwen3's
+  tokens, or with `--tokenizer tiny` the tiny tokenizer's, which the committed H100 runs tokenized) in the scripts'
+  own global batches (`data.GlobalBatches`, `data.pack`) over an
   epoch: the step time is their median, tokens/s their real tokens over their time; memory counts the lm_head at
   the most answer positions a row holds (a packed row of 2,048 up to 446), not --answer-tokens.
 Without `--host` the host costs nothing and the GPU computes at 40%: the GPU-only model above, on the scripts' layout,

@@ -119,11 +119,12 @@ def parser() -> argparse.ArgumentParser:
         "--layout",
         choices=LAYOUTS,
         default="auto",
-        help="auto: the scripts' own, packed where AMI's examples reach --max-length, full beyond them (longer data, "
-        "e.g. cp-ft's whole meetings); full: every row --max-length real tokens; padded: the AMI training "
-        "examples one per row, right-padded per micro-batch (--no-packing); packed: packed into rows of up to "
-        "--max-length, each micro-batch as wide as its fullest row (the scripts' default); masked: padded with the "
-        "padding mask passed (the committed H100 runs)",
+        help="auto: each script's own, packed (pp-ft: fixed) where AMI's examples reach --max-length, full beyond "
+        "them (longer data, e.g. cp-ft's whole meetings); full: every row --max-length real tokens; padded: the AMI "
+        "training examples one per row, right-padded per micro-batch (--no-packing); packed: packed into rows of up "
+        "to --max-length, each micro-batch as wide as its fullest row (the scripts' default); masked: padded with "
+        "the padding mask passed (the committed H100 runs); fixed: one example per row, right-padded to "
+        "--max-length (pp-ft)",
     )
     p.add_argument("--compile", action="store_true", help="the decoder layers compiled (the host's count a prediction)")
     p.add_argument(

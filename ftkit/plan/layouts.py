@@ -12,14 +12,15 @@ from pathlib import Path
 from ftkit import batching, data, models
 from ftkit.plan.settings import Setting
 
-# The layouts: "auto" (the command's default), the scripts' own: "packed" where AMI's examples reach --max-length,
-# "full" beyond them (`resolve`); "full", every row --max-length real tokens (the planner's only layout
+# The layouts: "auto" (the command's default), each script's own: "packed" where AMI's examples reach --max-length,
+# pp-ft's "fixed" there, "full" beyond them (`resolve`); "fixed", one example per row right-padded to --max-length
+# (pp-ft's one shape, batching.collate_pipeline); "full", every row --max-length real tokens (the planner's only layout
 # before issue 30); "padded", the AMI training examples (AMI_LENGTHS) in the scripts' length-grouped global batches,
 # one example per row, each micro-batch right-padded to its longest (--no-packing); "packed", the same global batches
 # packed into rows of at most --max-length (batching.pack, first-fit decreasing), --micro-batch-size rows per
 # micro-batch as wide as the fullest (batching.packed_width), each rank the same number of micro-steps; "masked",
 # "padded" as the scripts ran it until issue 30, the padding mask passed (the H100 runs).
-LAYOUTS = ("auto", "full", "padded", "packed", "masked")
+LAYOUTS = ("auto", "full", "padded", "packed", "masked", "fixed")
 # The AMI training examples' token counts, per tokenizer: Qwen3's own (`qwen3`: what a Qwen3-4B run, and since issue 42
 # a qwen3-4b-shape run, tokenizes; the planner's default) and the tiny tokenizer's (`tiny`: what the committed H100
 # runs tokenized, as qwen3-4b-shape did before issue 42, so their batches are rebuilt from it). Written by
@@ -68,14 +69,16 @@ def longest(tokenizer: str = models.QWEN3) -> int:
     return max(fixed + transcript for fixed, transcript, _, _ in ami_rows(tokenizer))
 
 
-def resolve(s: Setting) -> Setting:
-    """The setting with "auto" made the layout the scripts run: "packed" (their default) where AMI's examples reach
-    --max-length or a token budget packs rows; beyond the longest example, "full": --max-length is then for data
-    longer than AMI's spans (whole meetings, cp-ft's), every row --max-length real tokens."""
+def resolve(s: Setting, technique: str | None = None) -> Setting:
+    """The setting with "auto" made the layout the technique's script runs (None: the other scripts'): where AMI's
+    examples reach --max-length or a token budget packs rows, "packed" (their default), and for pp-ft "fixed" (its
+    stages are built for one shape); beyond the longest example, "full": --max-length is then for data longer than
+    AMI's spans (whole meetings, cp-ft's), every row --max-length real tokens."""
     if s.layout != "auto":
         return s
-    packed = s.micro_batch_tokens or s.max_length <= longest(s.tokenizer)
-    return dataclasses.replace(s, layout="packed" if packed else "full")
+    if not (s.micro_batch_tokens or s.max_length <= longest(s.tokenizer)):
+        return dataclasses.replace(s, layout="full")
+    return dataclasses.replace(s, layout="fixed" if technique == "pp" else "packed")
 
 
 @dataclass(frozen=True)
@@ -134,8 +137,9 @@ def layout_steps(s: Setting, dp: int) -> list[Step]:
                 for p in parts
             )
             positions = sum(batches.padded_tokens(step, m, r, dp) for r in range(dp))
-        else:
-            micros = tuple(Micro(m, lengths[p[0][0]], m * max(examples[i][1] for [i] in p)) for p in parts)
-            positions = sum(m * lengths[rows[k * m][0]] for k in range(per_rank * dp))
+        else:  # one example per row, as wide as the micro-batch's longest ("fixed": --max-length)
+            width = [length if s.layout == "fixed" else lengths[rows[k * m][0]] for k in range(per_rank * dp)]
+            micros = tuple(Micro(m, width[j * dp], m * max(examples[i][1] for [i] in p)) for j, p in enumerate(parts))
+            positions = sum(m * w for w in width)
         out.append(Step(micros, sum(lengths[i] for row in rows for i in row), positions))
     return out

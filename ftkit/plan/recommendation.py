@@ -121,11 +121,14 @@ def prediction_notes(s: Setting, rows: list[dict], auto: bool = False) -> list[s
         f"{s.micro_batch_size} rows a micro-batch as wide as the fullest (data.packed_width), every rank the same "
         "micro-steps; the attention kernel computes each whole row (SDPA with the block-diagonal mask)",
         "masked": "padded as the scripts ran it until issue 30, the padding mask passed (the committed H100 runs)",
+        "fixed": "the AMI training examples one per row, right-padded to --max-length (pp-ft's one shape)",
     }[s.layout]
     if s.layout != "full":
         layout += f"; the examples in the {s.tokenizer} tokenizer's tokens; step time: the median of {steps} steps"
     if auto:
         layout = "the scripts' own (--layout auto): " + layout
+        if s.layout == "packed" and any(r["technique"] == "pp" for r in rows):
+            layout += "; pp-ft's one example per row, right-padded to --max-length (its stages' one shape)"
     notes.append(f"layout: {layout}")
     if op_s:
         compiled = (

@@ -98,7 +98,7 @@ def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> di
     """One row: the memory and step-time prediction, or the reason the experiment refuses this setting (its own
     error message where it has one). With the AMI layouts, the step time is the median over the layout's steps and
     tokens/s their real tokens over their time; "auto" is the layout the scripts run (`layouts.resolve`)."""
-    s = resolve(s)
+    s = resolve(s, technique)
     row = {"technique": technique, "experiment": EXPERIMENTS[technique], "mesh": mesh, "quant": quant}
     shape, cfg = s.shape, s.config
     dp, tp, pp, cp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1), mesh.get("cp", 1)
