@@ -10,7 +10,10 @@ import sys
 import pytest
 from conftest import ROOT, run_script
 
+from ftkit import models, prepare
+
 GPU_RUNS = ROOT / "devlogs" / "runs" / "single-gpu-ft"
+ENCODED: dict = {}  # memory_check's encoded examples, by what they depend on (the --data given is the same for all)
 GPU_EXTRA = ROOT / "devlogs" / "runs" / "single-gpu-ft-gpu"
 
 
@@ -47,7 +50,17 @@ def test_memory_model_matches_the_committed_h100_runs(run: str, flags: list[str]
     state exists; above it, what CUDA allocates that the model leaves out). The `-fp32-adapters` runs predate
     lora.adapters_compute_in and check the model's fp32_adapter_compute branch. A change to ftkit/memory.py
     that breaks the one-GPU prediction fails here against real GPU measurements."""
-    # In this process (runpy, as `python assets/memory_check.py ...` runs it): the imports are paid once.
+    # In this process (runpy, as `python assets/memory_check.py ...` runs it): the imports are paid once, and the four
+    # runs' examples (the same data, tokenizer and length) are encoded once.
+    encode = prepare.encode_data
+
+    def encoded_once(args, splits):
+        key = (args.model, args.max_length, models.recorded_tokenizer(vars(args)), getattr(args, "task", None))
+        if key not in ENCODED:
+            ENCODED[key] = encode(args, splits)
+        return ENCODED[key]
+
+    monkeypatch.setattr(prepare, "encode_data", encoded_once)
     monkeypatch.setattr(sys, "argv", ["memory_check.py", str(GPU_RUNS / run), "--data", "qmsum-ami", *flags])
     runpy.run_path(str(ROOT / "assets" / "memory_check.py"), run_name="__main__")
     table = capsys.readouterr().out
