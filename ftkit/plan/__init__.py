@@ -41,7 +41,7 @@ A model, not a measurement; every term is a formula in this repository or a stat
   - CP (cp-ft): per layer and micro-batch, K and V all-gathered (twice with checkpointing's recompute) and their
     gradients reduce-scattered, on the critical path (the script does not overlap them), then the LoRA gradients'
     all-reduce; each rank computes 1/cp of every sequence, its chunks balancing the causal attention. Planned on
-    the "full" layout only (cp-ft trains whole meetings, not the AMI span examples the other layouts are).
+    the "full" layout only (cp-ft trains whole meetings one a row, not the other scripts' packed rows).
 Not modelled: kernel efficiency varying with shapes (one --mfu for all), the pipeline schedule's own overheads,
 congestion.
 

@@ -39,7 +39,7 @@ def print_table(result: dict, model: str) -> None:
     if notes is None:  # the full layout: say why, and what the scripts run on AMI's examples
         longest = layouts.longest(st.get("tokenizer", models.QWEN3))
         why = (
-            f"--max-length is beyond AMI's longest example, {longest:,} tokens: data longer than AMI's spans"
+            f"--max-length is beyond AMI's longest example, {longest:,} tokens: data longer than AMI's examples"
             if st["max_length"] > longest
             else "--layout full"
         )

@@ -73,7 +73,7 @@ def resolve(s: Setting, technique: str | None = None) -> Setting:
     """The setting with "auto" made the layout the technique's script runs (None: the other scripts'): where AMI's
     examples reach --max-length or a token budget packs rows, "packed" (their default), and for pp-ft "fixed" (its
     stages are built for one shape); beyond the longest example, "full": --max-length is then for data longer than
-    AMI's spans (whole meetings, cp-ft's), every row --max-length real tokens."""
+    AMI's examples (whole meetings, cp-ft's), every row --max-length real tokens."""
     if s.layout != "auto":
         return s
     if not (s.micro_batch_tokens or s.max_length <= longest(s.tokenizer)):

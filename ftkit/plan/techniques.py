@@ -34,8 +34,8 @@ EXPERIMENTS = {
 
 
 CP_LAYOUT = (
-    "cp-ft trains whole meetings (--task meetings), one padded row per micro-batch; the AMI layouts are the span "
-    "examples the other scripts train on: plan cp-ft with --layout full, every row --max-length tokens (the default "
+    "cp-ft trains whole meetings (--task meetings), one padded row per micro-batch; the AMI layouts are the other "
+    "scripts' rows of AMI's examples: plan cp-ft with --layout full, every row --max-length tokens (the default "
     "beyond AMI's longest example)"
 )
 
