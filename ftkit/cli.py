@@ -324,9 +324,14 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     why = eager_because(args)
     if why and args.compile and "compile" in getattr(args, "explicit_flags", ()):
         # Where --compile is only the default (CUDA runs), the layers run eager and say why (compile_layers).
+        given, other = (
+            (f"--schedule {args.schedule}", "compile them under a schedule that does not split it: --schedule 1f1b")
+            if args.experiment == "pp-ft"
+            else ("--quant nf4", "compile a bf16 base: --quant none --compile")
+        )
         raise RunError(
-            f"--quant nf4 --compile: the decoder layers cannot be compiled: {why}. Drop --compile (--quant nf4 runs "
-            "its layers eager, as it does by default), or compile a bf16 base: --quant none --compile"
+            f"{given} --compile: the decoder layers cannot be compiled: {why}. Drop --compile ({given} runs its "
+            f"layers eager, as it does by default), or {other}"
         )
     check_compiled_dropout(args)
     if getattr(args, "quant", None) == "nf4" and importlib.util.find_spec("bitsandbytes") is None:
@@ -351,6 +356,15 @@ FSDP_NF4_EAGER_BECAUSE = (
     "FSDP2 hands each layer its 4-bit weights all-gathered as plain uint8 tensors, and bitsandbytes' Linear4bit "
     "re-wraps each as a Params4bit on every call (fix_4bit_weight_quant_state_from_module), setting .data of a tensor "
     "made inside the compiled code, which dynamo cannot trace (tests/fsdp_4bit_compile.py)"
+)
+
+# pp-ft's zero-bubble schedules split each backward into its input gradients (I) and its weight gradients (W), run
+# apart; a compiled layer's backward is one autograd node torch cannot split (devlogs/pp-ft.md, Notes), so there the
+# layers run eager.
+PP_ZERO_BUBBLE = ("interleaved-zb", "zbv", "dualpipev")
+PP_ZERO_BUBBLE_EAGER_BECAUSE = (
+    "a zero-bubble schedule computes each layer's input and weight gradients apart, and a compiled layer's backward "
+    "is one autograd node that torch cannot split"
 )
 
 # The runs whose decoder layers run eager whatever --compile says, each for a reason of its own, passed to
@@ -381,9 +395,12 @@ def resolve_checkpointing(args: argparse.Namespace) -> None:
 
 def eager_because(args: argparse.Namespace) -> str | None:
     """Why this run's decoder layers run eager with --compile on, where it depends on the flags: fsdp-ft on a 4-bit
-    base (FSDP_NF4_EAGER_BECAUSE); None where they compile."""
+    base (FSDP_NF4_EAGER_BECAUSE), pp-ft under a zero-bubble schedule (PP_ZERO_BUBBLE_EAGER_BECAUSE); None where they
+    compile."""
     if args.experiment == "fsdp-ft" and getattr(args, "quant", "none") == "nf4":
         return FSDP_NF4_EAGER_BECAUSE
+    if args.experiment == "pp-ft" and getattr(args, "schedule", None) in PP_ZERO_BUBBLE:
+        return PP_ZERO_BUBBLE_EAGER_BECAUSE
     return None
 
 

@@ -85,6 +85,7 @@ def test_every_script_that_compiles_refuses_it_before_any_work(monkeypatch, tmp_
             "fsdp-ft",
             ("--quant", "nf4"),
         ),  # a 4-bit base: the layers run eager by default (an explicit --compile is refused)
+        ("pp-ft", ("--schedule", "zbv")),  # a zero-bubble schedule: the weight gradients apart, eager layers
     ],
 )
 def test_runs_whose_layers_run_eager_are_not_refused(monkeypatch, script, argv):
@@ -93,6 +94,22 @@ def test_runs_whose_layers_run_eager_are_not_refused(monkeypatch, script, argv):
     monkeypatch.setattr(sys, "argv", [script, *argv])
     args = runpy.run_path(str(parity.ROOT / "experiments" / script / "train.py"))["parse_args"]()
     assert args.compile and args.grad_checkpointing and args.lora_dropout > 0 and not cli.layers_compiled(args)
+
+
+def test_pp_ft_compiles_its_layers_except_under_a_zero_bubble_schedule(monkeypatch):
+    """A zero-bubble schedule computes a layer's weight gradients apart from its input gradients, which a compiled
+    layer's one backward node cannot do: its layers run eager by default, an explicit --compile is refused with the
+    reason, and the script passes the reason to compile_layers; 1f1b compiles."""
+    parse_args = runpy.run_path(str(parity.ROOT / "experiments" / "pp-ft" / "train.py"))["parse_args"]
+    for schedule, compiled in (("1f1b", True), ("interleaved-1f1b", True), *((s, False) for s in cli.PP_ZERO_BUBBLE)):
+        monkeypatch.setattr(sys, "argv", ["train.py", "--schedule", schedule])
+        args = parse_args()
+        assert args.compile and cli.layers_compiled(args) == compiled, schedule
+    monkeypatch.setattr(sys, "argv", ["train.py", "--schedule", "zbv", "--compile"])
+    with pytest.raises(errors.RunError, match="--schedule zbv --compile: the decoder layers cannot be compiled"):
+        parse_args()
+    source = (parity.ROOT / "experiments" / "pp-ft" / "train.py").read_text()
+    assert "compile_layers(model, args.compile, eager_because=cli.eager_because(args))" in source
 
 
 def test_the_hugging_face_baseline_is_not_refused(monkeypatch):

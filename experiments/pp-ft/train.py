@@ -199,8 +199,8 @@ def main() -> None:
     # directly, and a layer applies the checkpointing itself (transformers' GradientCheckpointingLayer).
     model = prepare.load_lora_model(args, dtype, device, len(tokenizer))
     checkpoint.seed_dropout(args.seed, stream=rank)  # each rank runs other layers: masks of their own
-    # --compile: each decoder layer, before the stages take them
-    compiled = compilation.compile_layers(model, args.compile)
+    # --compile: each decoder layer, before the stages take them; eager under a zero-bubble schedule (cli.eager_because)
+    compiled = compilation.compile_layers(model, args.compile, eager_because=cli.eager_because(args))
     config = model.config
     model = lora.adapters_compute_in(model, dtype)  # bf16 compute (autocast), fp32 weights: as single-gpu-ft
     counts = models.parameter_counts(model)
