@@ -32,7 +32,8 @@ class GPU:
     hbm_bytes_per_s: float  # memory bandwidth (GDDR on the L4/L40/Ada/GeForce/RTX rows)
     source: str
     # The link between the GPUs of one node as the card is built: NVLink on the SXM boards, PCIe for a card in a
-    # slot (the NVLink bridges of H100 NVL and RTX A6000 join two cards only, so a node of more goes over PCIe).
+    # slot (the NVLink bridges of H100 NVL and RTX A6000 join two cards only, so a node of more goes over PCIe),
+    # PCIe through host memory for the GeForce cards, which the driver gives no peer-to-peer.
     link: str = "pcie4"
     memory_source: str = ""  # where the memory figure, torch's total_memory, is from
 
@@ -185,6 +186,7 @@ GPUS = [
         23.64 * GIB,
         1008e9,
         "NVIDIA Ada GPU architecture whitepaper (GeForce RTX 4090)",
+        "pcie4-host",
         memory_source="an out-of-memory report on a 4090, total capacity 23.64 GiB (ali-vilab/VGen#104); "
         "another reads 23.68 (zai-org/CogVideo#36)",
     ),
@@ -195,6 +197,7 @@ GPUS = [
         25_286_672_384,
         936e9,
         "NVIDIA Ampere GA102 whitepaper (GeForce RTX 3090)",
+        "pcie4-host",
         memory_source="totalGlobalMem of a 3090, 25286672384 bytes (Jumperkables/cuda-benchmarking, "
         "00_deviceQuery/README.md); deviceQuery outputs read 23.55-23.70 GiB",
     ),
@@ -267,6 +270,17 @@ LINKS = {
         Link("nvlink3", 300e9, 2e-6, "NVIDIA A100 datasheet: NVLink 3, 600 GB/s per GPU in both directions"),
         Link("pcie5", 63e9, 10e-6, "PCI-SIG PCIe 5.0 x16: 32 GT/s x 16 lanes, 128b/130b encoding, per direction"),
         Link("pcie4", 31.5e9, 10e-6, "PCI-SIG PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b encoding, per direction"),
+        # GeForce cards get no peer-to-peer over PCIe from NVIDIA's driver, so NCCL stages every transfer through
+        # pinned host memory (its SHM transport): a measured copy, not a datasheet figure, which the planner still
+        # takes at --link-efficiency (NCCL's protocol on top of the copy).
+        Link(
+            "pcie4-host",
+            12.9e9,
+            15e-6,
+            "PCIe 4.0 x16 without peer-to-peer, through host memory: 25.8 GB/s both directions together, "
+            "CUDA's p2pBandwidthLatencyTest with P2P disabled on 3 x RTX 4090 (tinygrad/open-gpu-kernel-modules#6); "
+            "latency 12-17 us with P2P disabled (8 x RTX 3090, NVIDIA/nccl#1127)",
+        ),
         Link("ib-ndr", 50e9, 5e-6, "NVIDIA ConnectX-7: InfiniBand NDR 400 Gb/s, one adapter per GPU (DGX H100)"),
         Link("ib-hdr", 25e9, 5e-6, "NVIDIA ConnectX-6: InfiniBand HDR 200 Gb/s, one adapter per GPU (DGX A100)"),
         # Ethernet between nodes of PCIe cards: one NIC per node serves a ring, which crosses each node's link once

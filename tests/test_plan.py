@@ -109,7 +109,7 @@ def test_whole_meetings_on_two_4090s_fit_bf16_lora_only_sharded_or_split():
     DDP); it fits sharded (FSDP), or split by the sequence (cp-ft) or by the layers' widths (tp-sp-ft). TP+SP holds
     less (it splits the weights too), CP sends less: K and V (8 of 32 heads) a layer, where TP+SP moves the hidden
     states 4-5.5 times a layer."""
-    args = ["--gpus", "2", "--gpu", "rtx4090", "--link", "pcie4", "--max-length", "32768", "--micro-batch-size", "1"]
+    args = ["--gpus", "2", "--gpu", "rtx4090", "--max-length", "32768", "--micro-batch-size", "1"]
     result = main([*args, "--batch-size", "8", "--json"])
     for experiment in ("single-gpu-ft", "ddp-ft"):
         assert not row(result, experiment, quant="none")["fits"], experiment
@@ -125,7 +125,7 @@ def test_the_pcie_box_gets_data_parallelism_and_tp_sp_loses_to_fsdp_there(capsys
     """The seed's box: 2 x 24 GB on PCIe 4, Qwen3-4B at the defaults. The job fits on one GPU, so the planner
     says data parallelism; and without NVLink TP+SP's per-layer collectives on the critical path cost more than
     FSDP's prefetched weight gathers (the claim the memory post's decision tree made the other way round)."""
-    result = main(["--model", "Qwen/Qwen3-4B", "--gpus", "2", "--gpu", "rtx4090", "--link", "pcie4"])
+    result = main(["--model", "Qwen/Qwen3-4B", "--gpus", "2", "--gpu", "rtx4090"])
     rec = result["recommendation"]
     assert (rec["experiment"], rec["mesh"], rec["quant"]) == ("ddp-ft", {"dp": 2}, "none")
     assert row(result, "fsdp-ft", quant="none")["tokens_per_s"] > row(result, "tp-sp-ft")["tokens_per_s"]
@@ -167,7 +167,7 @@ def test_fsdp_ft_is_planned_on_a_4bit_base_too():
     """fsdp-ft --quant nf4: the packed 4-bit codes sharded (the quantization constants whole on every rank), so
     less memory per GPU than QLoRA DDP and than bf16 FSDP; it gathers 0.5 B per projection weight where bf16 FSDP
     gathers 2, and pays NF4's dequantization on every pass as ddp-ft --quant nf4 does. Its label is the command."""
-    result = main(["--gpus", "2", "--gpu", "rtx4090", "--link", "pcie4", "--json"])
+    result = main(["--gpus", "2", "--gpu", "rtx4090", "--json"])
     fsdp_nf4, fsdp_bf16 = row(result, "fsdp-ft", quant="nf4"), row(result, "fsdp-ft", quant="none")
     ddp_nf4 = row(result, "ddp-ft", quant="nf4")
     assert (fsdp_nf4["technique"], fsdp_nf4["mesh"]) == ("fsdp", {"dp": 2})
@@ -202,7 +202,7 @@ def test_gpus_must_split_evenly_over_nodes(capsys):
 
 def test_ftkits_readme_shows_what_the_planner_prints(capsys):
     readme = (Path(__file__).resolve().parents[1] / "ftkit" / "README.md").read_text()
-    command = "uv run python -m ftkit.plan --model Qwen/Qwen3-4B --gpus 2 --gpu rtx4090 --link pcie4"
+    command = "uv run python -m ftkit.plan --model Qwen/Qwen3-4B --gpus 2 --gpu rtx4090"
     shown = readme.split(f"```bash\n{command}\n```\n\n```\n", 1)[1].split("```", 1)[0]
     main(command.split()[5:])
     assert capsys.readouterr().out == shown
@@ -284,7 +284,7 @@ def test_fsdp_all_gathers_priced_at_the_bytes_the_fake_tensor_run_sent():
     assert timing.fsdp_gather_bytes(shape, c["lora_rank"], "none") == per_micro
 
 
-@pytest.mark.parametrize("argv", [["--gpus", "2", "--gpu", "rtx4090", "--link", "pcie4"], ["--gpus", "1"]])
+@pytest.mark.parametrize("argv", [["--gpus", "2", "--gpu", "rtx4090"], ["--gpus", "1"]])
 def test_the_pinned_recommendations_hold_with_the_h100_runs_host(argv, capsys):
     """devlogs/single-gpu-ft.md measured 4.8% MFU where the planner assumes 40%, and the step was bound by its host:
     with that host modelled (--host h100-vm) the one-node picks hold. (Qwen3-32B across nodes becomes fsdp-tp-ft with
@@ -301,13 +301,16 @@ def test_the_pinned_recommendations_hold_with_the_h100_runs_host(argv, capsys):
 def test_packed_rows_leave_data_parallel_ranks_uneven():
     """The scripts' packed rows go round the ranks fullest first (batching.GlobalBatches), every rank as many
     micro-steps: on 2 GPUs DDP's rank 0 computes more than half the rows' work, where TP splits every row. At a slow
-    enough GPU (--mfu 0.048, the H100 runs' MFU taken as the kernels') that outweighs TP's all-reduces on PCIe."""
-    argv = ["--gpus", "2", "--gpu", "rtx4090", "--link", "pcie4", "--json"]
+    enough GPU (--mfu 0.048, the H100 runs' MFU taken as the kernels') that outweighs TP's all-reduces on a
+    peer-to-peer PCIe link; not through host memory, the GeForce cards' own link."""
+    argv = ["--gpus", "2", "--gpu", "rtx4090", "--json"]
     result = main(argv)
     ddp, tp = row(result, "ddp-ft", quant="none"), row(result, "tp-ft")
     assert ddp["compute_s"] > 1.1 * tp["compute_s"]  # tp-ft's compute_s is the whole step's over 2 GPUs
-    slow = main([*argv, "--mfu", "0.048"])["recommendation"]
+    slow = main([*argv, "--mfu", "0.048", "--link", "pcie4"])["recommendation"]
     assert (slow["experiment"], slow["mesh"]) == ("tp-ft", {"tp": 2})
+    through_host = main([*argv, "--mfu", "0.048"])["recommendation"]
+    assert (through_host["experiment"], through_host["quant"]) == ("ddp-ft", "none")
 
 
 def test_the_readmes_memory_requirement_is_the_planners(capsys):
@@ -727,22 +730,37 @@ def test_checkpointing_every_other_layer_lies_between_all_and_none_in_memory_and
 
 def test_the_link_between_a_nodes_gpus_defaults_to_the_one_the_card_is_built_with():
     """Without --link, a node of PCIe cards is planned over PCIe, not over the NVLink of an SXM board: a reader who
-    names only --gpu rtx4090 must not get NVLink's all-reduce times."""
+    names only --gpu rtx4090 must not get NVLink's all-reduce times, nor the peer-to-peer PCIe that NVIDIA's driver
+    does not give GeForce cards (their collectives go through host memory)."""
     from ftkit.plan.__main__ import parser, setting_from
 
     p = parser()
     expected = {"h100-sxm": "nvlink4", "h200": "nvlink4", "a100-40gb": "nvlink3", "h100-pcie": "pcie5"}
-    expected |= {"rtx4090": "pcie4", "l40s": "pcie4", "a100-80gb-pcie": "pcie4"}
+    expected |= {"rtx4090": "pcie4-host", "rtx3090": "pcie4-host", "l40s": "pcie4", "a100-80gb-pcie": "pcie4"}
     for gpu, link in expected.items():
         assert setting_from(p, p.parse_args(["--gpus", "2", "--gpu", gpu])).link.key == link, gpu
     chosen = setting_from(p, p.parse_args(["--gpus", "2", "--gpu", "rtx4090", "--link", "nvlink3"]))
     assert chosen.link.key == "nvlink3"
 
 
+def test_a_group_across_nodes_is_bound_by_its_slowest_link():
+    """A data-parallel ring across nodes runs through each node's GPUs and between the nodes. On nodes of RTX 4090s
+    the link inside a node (PCIe through host memory, 12.9 GB/s) is slower than InfiniBand NDR between them (50), so
+    InfiniBand does not speed up FSDP's gathers; on H100 nodes (NVLink inside) the link between nodes bounds them."""
+    argv = ["--model", "Qwen/Qwen3-32B", "--gpus", "16", "--nodes", "2", "--batch-size", "64", "--json"]
+
+    def gathers(gpu: str, between: str) -> float:
+        return row(main([*argv, "--gpu", gpu, "--inter-node-link", between]), "fsdp-ft", quant="none")["exposed_comm_s"]
+
+    assert gathers("rtx4090", "ib-ndr") == gathers("rtx4090", "nvlink4") == gathers("rtx4090", "pcie4-host") > 0
+    assert gathers("rtx4090", "eth-10g") > gathers("rtx4090", "ib-ndr")  # 10 GbE is slower still
+    assert gathers("h100-sxm", "ib-hdr") > gathers("h100-sxm", "ib-ndr")
+
+
 def test_a_pick_made_because_the_batch_does_not_divide_says_so():
     """16 GPUs at the default global batch of 16: the data-parallel layouts need a multiple of 2 x 16, so they are
     refused for the batch, not the technique, and the recommendation names them (at 32 they are priced)."""
-    s = setting(gpus=16, nodes=2, gpu=hardware.gpu("rtx4090"), link=hardware.LINKS["pcie4"])
+    s = setting(gpus=16, nodes=2, gpu=hardware.gpu("rtx4090"), link=hardware.LINKS["pcie4-host"])
     refused = recommendation.plan(s)
     assert row(refused, "ddp-ft", quant="none")["batch_refused"]
     assert "does not divide over their ranks: ddp-ft, fsdp-ft" in refused["recommendation"]["reason"]
@@ -768,7 +786,7 @@ def test_the_scripts_that_load_the_whole_model_are_refused_where_it_does_not_fit
     Qwen3-32B on RTX 4090s (61 GiB of bf16 weights) they are refused with that reason, even where a pipeline's
     step would be the fastest (4 nodes of 2 on 10 GbE); on 80 GB H100s they load, and are priced."""
     base = dict(config=settings.model_config("Qwen/Qwen3-32B"), gpus=8, nodes=4, gpu=hardware.gpu("rtx4090"))
-    base |= dict(link=hardware.LINKS["pcie4"], memory_bytes=hardware.gpu("rtx4090").memory_bytes)
+    base |= dict(link=hardware.LINKS["pcie4-host"], memory_bytes=hardware.gpu("rtx4090").memory_bytes)
     slow = recommendation.plan(setting(**base, inter_node_link=hardware.LINKS["eth-10g"]))
     for technique in techniques.LOADS_WHOLE_MODEL:
         refused = [r["refused"] for r in slow["techniques"] if r["technique"] == technique]
@@ -791,7 +809,7 @@ def test_pp_ft_is_planned_on_its_own_rows(capsys):
     """pp-ft pads every example to --max-length, the one shape its stages are built for (batching.collate_pipeline):
     by default its row is --layout fixed's, as many positions as full rows compute (about half of them padding at
     2,048), so fewer real tokens/s than full rows; the others' rows are packed."""
-    base = ["--gpus", "2", "--gpu", "rtx4090", "--link", "pcie4", "--json"]
+    base = ["--gpus", "2", "--gpu", "rtx4090", "--json"]
     auto, fixed, full = (main([*base, *flags]) for flags in ([], ["--layout", "fixed"], ["--layout", "full"]))
     capsys.readouterr()
     assert row(auto, "pp-ft") == row(fixed, "pp-ft")

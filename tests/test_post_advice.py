@@ -17,7 +17,7 @@ from ftkit.plan.__main__ import main
 from ftkit.plan.layouts import longest
 from ftkit.plan.recommendation import label
 
-RTX4090 = ["--gpu", "rtx4090", "--link", "pcie4"]
+RTX4090 = ["--gpu", "rtx4090"]  # its own link: PCIe through host memory (no peer-to-peer)
 LONG = ["--micro-batch-size", "1"]
 
 
@@ -48,7 +48,7 @@ DECISIONS = [
         for flags in (
             "--gpu h100-pcie --link pcie4",
             "--gpu h100-pcie --link pcie4 --micro-batch-size 1",
-            "--gpu rtx4090 --link pcie4",
+            "--gpu rtx4090",
             "--gpu h100-sxm --link nvlink4",
         )
     ),
@@ -120,10 +120,10 @@ DECISIONS = [
     ),
     d(
         "fsdp-tp.md",
-        "No replica fits, not even in 4 bits",
+        "On 2 nodes of them",
         ["--model", "Qwen/Qwen3-32B", "--gpus", "16", "--nodes", "2", *RTX4090, "--batch-size", "64"],
-        "fsdp-ft (dp16)",
-        "`fsdp-ft`",
+        "fsdp-ft --quant nf4 (dp16)",
+        "4-bit `fsdp-ft`",
     ),
     d(
         "fsdp-tp.md",
@@ -315,7 +315,7 @@ DECISIONS = [
     d(
         "ddp.md",
         "it still recommends `ddp-ft --quant none`",
-        ["--gpus", "2", *RTX4090, "--link-efficiency", "0.2"],
+        ["--gpus", "2", *RTX4090],
         "ddp-ft --quant none (dp2)",
         "ddp-ft --quant none",
     ),
@@ -330,6 +330,7 @@ DECISIONS = [
 # the variant, the other pick, and the words the post says it with.
 HOSTED = {"h100-sxm": "h100-vm", "h100-pcie": "h100-vm", "h200": "h200-vm"}
 STATED = {
+    ("fsdp-tp.md", "On 2 nodes of them"): {"full": ("fsdp-ft (dp16)", "on full rows, bf16")},
     ("fsdp-tp.md", "Only a 4-bit replica fits, across nodes"): {"packed, host": ("fsdp-tp-ft (dp8 x tp2)", "host")},
     ("fsdp-tp.md", "At `--batch-size 32`, whose rows leave ranks idle"): {
         "packed, host": ("fsdp-tp-ft (dp8 x tp2)", "dp8 x tp2 with the host modelled"),
@@ -445,3 +446,34 @@ def test_the_planner_figures_in_the_advice_name_their_assumptions():
         if post == "fsdp.md":  # its planner figures' assumptions are stated under "Where the numbers come from"
             section = normalized(text)
         assert "assumed 40% MFU" in section and "host not modelled" in section, post
+
+
+# The flags of a case beyond the machine it is on (model, GPUs, nodes, card, sequence length). A reader who copies
+# the case without one of them runs the planner's default there; where that changes the pick, the post must give the
+# flag where it states the case: its paragraph or bullet (for the memory post's tree, the paragraph under it that
+# gives each branch's case), as the flag or in these words.
+TUNED = ("--batch-size", "--micro-batch-size", "--link", "--inter-node-link", "--link-efficiency", "--host", "--layout")
+IN_WORDS = {("--micro-batch-size", "1"): "micro-batch 1", ("--inter-node-link", "eth-10g"): "10 GbE"}
+
+
+def case_text(post: str, phrase: str) -> str:
+    text = (ROOT / "blogs" / post).read_text()
+    blocks = [normalized(b) for b in re.split(r"\n(?=\s*- \*\*)|\n\s*\n", text)]
+    i = next(i for i, b in enumerate(blocks) if phrase in b)
+    return blocks[i] + (" " + blocks[i + 1] if "├──" in blocks[i] else "")
+
+
+@pytest.mark.parametrize("decision", DECISIONS, ids=[f"{x.post}:{x.phrase[:40]}:{x.recommended}" for x in DECISIONS])
+def test_a_case_names_every_flag_its_pick_depends_on(decision, plans, capsys):
+    argv = decision.argv
+    said = case_text(decision.post, decision.phrase)
+    for i, flag in enumerate(argv):
+        if flag not in TUNED:
+            continue
+        rec = plans(argv[:i] + argv[i + 2 :])["recommendation"]
+        capsys.readouterr()
+        picked = label(rec) if rec["technique"] else "none"
+        value = argv[i + 1]
+        if picked != decision.recommended:
+            named = f"{flag} {value}" in said or IN_WORDS.get((flag, value), f"{flag} {value}") in said
+            assert named, f"without {flag} {value} the planner picks {picked}: blogs/{decision.post} {said!r}"

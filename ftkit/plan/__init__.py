@@ -1,7 +1,7 @@
 """Which technique for this job on these GPUs: predicted memory per GPU, step time and tokens/s for every
 experiment and mesh shape the GPUs allow, and a recommendation with its reason.
 
-    uv run python -m ftkit.plan --model Qwen/Qwen3-4B --gpus 2 --gpu rtx4090 --link pcie4
+    uv run python -m ftkit.plan --model Qwen/Qwen3-4B --gpus 2 --gpu rtx4090
     uv run python -m ftkit.plan --model Qwen/Qwen3-32B --gpus 16 --nodes 2 --link nvlink4 --inter-node-link ib-ndr \\
         --batch-size 64 --json
 

@@ -2,7 +2,7 @@
 experiment and mesh shape the GPUs allow, and a recommendation with its reason: the command. What it computes, and
 from what: the package's docstring (ftkit/plan/__init__.py).
 
-    uv run python -m ftkit.plan --model Qwen/Qwen3-4B --gpus 2 --gpu rtx4090 --link pcie4
+    uv run python -m ftkit.plan --model Qwen/Qwen3-4B --gpus 2 --gpu rtx4090
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--link",
         choices=list(hardware.LINKS),
-        help="between the GPUs of a node [the GPU's own: NVLink on SXM, else PCIe]",
+        help="between the GPUs of a node [the GPU's own: NVLink on SXM, PCIe via host memory on GeForce, else PCIe]",
     )
     p.add_argument("--inter-node-link", default="ib-ndr", choices=list(hardware.LINKS))
     p.add_argument("--batch-size", type=int, default=16, help="global batch, sequences")

@@ -128,8 +128,12 @@ def exposed_comm(
     spans_nodes = dp * tp * pp * cp > s.per_node
     tp_inside, cp_inside = tp <= s.per_node, cp <= s.per_node
 
+    # A group across nodes runs its ring through each node's GPUs and between the nodes: the slower of the two
+    # links bounds it (PCIe inside a node can be slower than InfiniBand between them).
+    across = min((s.link, s.inter_node_link), key=lambda link: link.bytes_per_s)
+
     def coll(kind: str, size: float, n: int, inside_node: bool = False) -> float:
-        link = s.inter_node_link if spans_nodes and not inside_node else s.link
+        link = across if spans_nodes and not inside_node else s.link
         return collective_s(kind, size, n, link, s.link_efficiency)
 
     activations = [m.rows * m.width * shape.hidden * BF16 for m in step.micros]
@@ -171,7 +175,7 @@ def exposed_comm(
         exposed += coll("all_reduce", FP32 * n_lora, dp * cp)
     if technique == "pp":
         bubble = (pp - 1) / accum * busy
-        hop = s.inter_node_link if spans_nodes else s.link
+        hop = across if spans_nodes else s.link
         exposed = 2 * (pp - 1) * (activations[0] / (hop.bytes_per_s * s.link_efficiency) + hop.latency_s)
     return exposed, bubble
 
