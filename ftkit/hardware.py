@@ -271,8 +271,8 @@ LINKS = {
         Link("pcie5", 63e9, 10e-6, "PCI-SIG PCIe 5.0 x16: 32 GT/s x 16 lanes, 128b/130b encoding, per direction"),
         Link("pcie4", 31.5e9, 10e-6, "PCI-SIG PCIe 4.0 x16: 16 GT/s x 16 lanes, 128b/130b encoding, per direction"),
         # GeForce cards get no peer-to-peer over PCIe from NVIDIA's driver, so NCCL stages every transfer through
-        # pinned host memory (its SHM transport): a measured copy, not a datasheet figure, which the planner still
-        # takes at --link-efficiency (NCCL's protocol on top of the copy).
+        # pinned host memory (its SHM transport): a copy rate users measured (half of the both-ways figure below),
+        # not a datasheet's, which the planner still takes at --link-efficiency (NCCL's protocol on top of the copy).
         Link(
             "pcie4-host",
             12.9e9,

@@ -180,11 +180,15 @@ def test_fsdp_ft_is_planned_on_a_4bit_base_too():
     assert 0 < fsdp_nf4["exposed_comm_s"] < fsdp_bf16["exposed_comm_s"]
     experiments = [(r["experiment"], r["quant"]) for r in result["techniques"]]
     assert experiments[2:6] == [("ddp-ft", "nf4"), ("ddp-ft", "none"), ("fsdp-ft", "nf4"), ("fsdp-ft", "none")]
-    # The host model prices its micro-batches with the 4-bit step's op counts, as for ddp-ft --quant nf4.
-    hosted = main(["--gpus", "2", "--host", "h100-vm", "--layout", "packed", "--json"])
+    # The host model prices its micro-batches with the 4-bit step's op counts, as for ddp-ft --quant nf4, eager: the
+    # script runs its layers eager on a 4-bit base (cli.eager_because), where ddp-ft compiles them.
+    hosted = main(["--gpus", "2", "--host", "h100-vm", "--layout", "packed", "--no-compile", "--json"])
     fsdp_nf4, ddp_nf4 = row(hosted, "fsdp-ft", quant="nf4"), row(hosted, "ddp-ft", quant="nf4")
     assert fsdp_nf4["host_ops_per_micro_batch"] == ddp_nf4["host_ops_per_micro_batch"]
     assert fsdp_nf4["host_s"] == ddp_nf4["host_s"] > row(hosted, "fsdp-ft", quant="none")["host_s"]
+    default = main(["--gpus", "2", "--host", "h100-vm", "--json"])
+    assert not row(default, "fsdp-ft", quant="nf4")["compiled"] and row(default, "ddp-ft", quant="nf4")["compiled"]
+    assert row(default, "fsdp-ft", quant="nf4")["host_ops_per_micro_batch"] == fsdp_nf4["host_ops_per_micro_batch"]
 
 
 def test_a_job_that_fits_nowhere_says_what_to_change():
@@ -475,6 +479,7 @@ def h200_prediction(run: str) -> tuple[list[dict], dict]:
         H200_LAYOUTS[run] == "packed",
     )
     argv = ["--gpu", "h200", "--gpus", "1", "--host", "h200-vm", "--layout", H200_LAYOUTS[run], "--tokenizer", "tiny"]
+    argv += ["--no-compile"]  # the runs' layers ran eager (their config's compile, above)
     argv += ["--seed", str(c["seed"]), "--steps", str(summary["steps_run"]), "--batch-size", str(c["batch_size"])]
     argv += ["--micro-batch-size", str(c["micro_batch_size"]), "--max-length", str(c["max_length"])]
     argv += ["--lora-rank", str(c["lora_rank"]), "--checkpointing", "all" if c["grad_checkpointing"] else "none"]
@@ -534,7 +539,7 @@ def test_packed_and_compiled_steps_are_predicted_faster_and_say_what_they_assume
     base = ["--gpus", "1", "--host", "h100-vm", "--json"]
     padded, packed, compiled = (
         main([*base, *flags])
-        for flags in (["--layout", "padded"], ["--layout", "packed"], ["--layout", "packed", "--compile"])
+        for flags in (["--layout", "padded"], ["--layout", "packed", "--no-compile"], ["--layout", "packed"])
     )
     capsys.readouterr()
     for quant in ("none", "nf4"):
@@ -554,7 +559,7 @@ def test_packed_and_compiled_steps_are_predicted_faster_and_say_what_they_assume
     for said in (
         "PREDICTED by ftkit.plan: a model, not a measurement",
         "layout: the same global batches packed first-fit decreasing into rows of up to 2048",
-        "the decoder layers compiled",
+        "compiled layers: the compiled graphs' kernels",
         "a prediction",
         "us per op (calibrated: the committed H100 runs' host",
         "per 4-bit linear pass (calibrated on the first H100 session's QLoRA and LoRA runs; not attributed)",
@@ -575,6 +580,21 @@ def test_micro_batches_by_tokens_are_predicted_faster_in_fewer_micro_steps_with_
     assert t["memory_bytes"] > r["memory_bytes"] and t["compute_s"] < 1.2 * r["compute_s"]
     with pytest.raises(SystemExit):
         main(["--gpus", "1", "--layout", "padded", "--micro-batch-tokens", "16384"])
+
+
+def test_the_commands_default_compiles_the_layers_the_scripts_compile():
+    """On CUDA the scripts compile their decoder layers by default, but tp-sp-ft, cp-ft and fsdp-ft on a 4-bit base
+    run them eager whatever --compile says (cli.layers_compiled): the planner's host prices each row so. --compile
+    is the same; --no-compile prices every row eager, as the committed H100 runs; --layout padded has no compiled
+    count, so its default is eager."""
+    base = ["--gpus", "2", "--host", "h100-vm", "--json"]
+    result = main(base)
+    compiled = {(r["experiment"], r["quant"]): r["compiled"] for r in result["techniques"] if "refused" not in r}
+    eager = {("tp-sp-ft", "none"), ("fsdp-ft", "nf4")}
+    assert {k for k, c in compiled.items() if not c} == eager and len(compiled) == 9
+    assert main([*base, "--compile"])["techniques"] == result["techniques"]
+    assert not any(r.get("compiled", False) for r in main([*base, "--no-compile"])["techniques"])
+    assert not any(r.get("compiled", False) for r in main([*base, "--layout", "padded", "--steps", "2"])["techniques"])
 
 
 def test_compile_needs_one_shape_per_micro_batch(capsys):
@@ -616,8 +636,8 @@ def test_the_single_gpu_devlog_states_the_planners_host_work_per_1000_tokens(cap
     base = ["--gpus", "1", "--host", "h100-vm", "--json"]
     for name, flags in (
         ("padded, eager", ["--layout", "padded"]),
-        ("packed, eager", ["--layout", "packed"]),
-        ("packed, compiled", ["--layout", "packed", "--compile"]),
+        ("packed, eager", ["--layout", "packed", "--no-compile"]),
+        ("packed, compiled", ["--layout", "packed"]),
     ):
         result = main([*base, *flags])
         per = [f"{row(result, 'single-gpu-ft', quant=q)['host_ops_per_1000_tokens']:,.0f}" for q in ("none", "nf4")]

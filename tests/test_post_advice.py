@@ -333,7 +333,7 @@ STATED = {
     ("fsdp-tp.md", "On 2 nodes of them"): {"full": ("fsdp-ft (dp16)", "on full rows, bf16")},
     ("fsdp-tp.md", "Only a 4-bit replica fits, across nodes"): {"packed, host": ("fsdp-tp-ft (dp8 x tp2)", "host")},
     ("fsdp-tp.md", "At `--batch-size 32`, whose rows leave ranks idle"): {
-        "packed, host": ("fsdp-tp-ft (dp8 x tp2)", "dp8 x tp2 with the host modelled"),
+        "packed, host": ("fsdp-tp-ft (dp4 x tp4)", "dp4 x tp4 with the host modelled"),
         "full": ("ddp-ft --quant nf4 (dp16)", "on full rows, QLoRA DDP"),
     },
     ("what-fills-gpu-memory.md", "2 nodes × 8 H100 on InfiniBand with Qwen3-32B"): {

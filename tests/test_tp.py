@@ -294,6 +294,11 @@ def test_sequence_parallel_divides_the_norm_activations_by_the_tp_degree(sp, meg
         for sp_on in (False, True)
     }
     assert tp_m["layer"] - sp_m["layer"] == model[False] - model[True]
+    # Beyond the model, the layer's attention saves RoPE's cos and sin ([rows, 1, width, head_dim] fp32 each, a set
+    # per row since packed rows carry their own positions): made once per forward and shared by every layer, so the
+    # model counts them in no layer.
+    rope = 2 * tokens * shape.head_dim * 4
+    assert tp_m["layer"] - model[False] == sp_m["layer"] - model[True] == rope
     print(
         f"layer 1 per rank: TP {tp_m['layer']:,} B, TP+SP {sp_m['layer']:,} B; "
         f"norms {tp_m['norms']:,} -> {sp_m['norms']:,}"

@@ -48,7 +48,8 @@ congestion.
 The host and the batch layout (issue 30; `--host`, `--layout`, `--compile`). On an H100 the eager step was bound by
 its host: the GPU computed 3.39 s of a 5.77 s step (devlogs/single-gpu-ft.md). With `--host h100-vm`:
 - Host: each micro-batch costs the host the ops it dispatches (`HOST_OPS`: aten ops counted per micro-batch by
-  assets/host_ops.py on a CPU as CUDA dispatches them, checked against the H100 profiles' op counts; with `--compile`,
+  assets/host_ops.py on a CPU as CUDA dispatches them, checked against the H100 profiles' op counts; for layers the
+  script compiles, as on CUDA by default (`--compile`; not tp-sp-ft's, cp-ft's, 4-bit fsdp-ft's: techniques.compiled),
   the compiled layers' kernels and extern ops, inductor's CPU kernels standing in for Triton's: a prediction) times
   a cost per op calibrated on the committed H100 profile (`HOSTS`), plus, with NF4, a cost per 4-bit linear pass the
   op count does not carry (`NF4_PASS_S`, calibrated on the first H100 session's QLoRA/LoRA pair). A rank's host

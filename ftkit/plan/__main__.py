@@ -115,6 +115,15 @@ def parser() -> argparse.ArgumentParser:
         help="the GPU kernels' fraction of the dense bf16 peak while the GPU computes [--host's calibration; "
         f"without --host, {ASSUMED_MFU}, assumed]",
     )
+    add_host_and_layout(p)
+    p.add_argument("--link-efficiency", type=float, default=0.8, help="assumed fraction of a link's bandwidth")
+    p.add_argument("--reserve-gib", type=float, default=1.0, help="CUDA context and NCCL buffers, assumed")
+    p.add_argument("--json", action="store_true")
+    return p
+
+
+def add_host_and_layout(p: argparse.ArgumentParser) -> None:
+    """The flags of the host model and the batch layout (issue 30)."""
     p.add_argument(
         "--layout",
         choices=LAYOUTS,
@@ -126,7 +135,14 @@ def parser() -> argparse.ArgumentParser:
         "the padding mask passed (the committed H100 runs); fixed: one example per row, right-padded to "
         "--max-length (pp-ft)",
     )
-    p.add_argument("--compile", action="store_true", help="the decoder layers compiled (the host's count a prediction)")
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the decoder layers compiled where the script compiles them, as the scripts do on CUDA (not tp-sp-ft, "
+        "cp-ft, fsdp-ft --quant nf4); the host's count of compiled layers a prediction; --no-compile: every layer "
+        "eager, as the committed H100 runs [compiled, but eager on --layout padded or masked]",
+    )
     p.add_argument(
         "--host",
         choices=list(HOSTS),
@@ -144,15 +160,13 @@ def parser() -> argparse.ArgumentParser:
         help="whose token counts the AMI layouts use: qwen3 (Qwen3's own, a Qwen3-4B run's) or tiny (what the "
         "committed H100 runs tokenized)",
     )
-    p.add_argument("--link-efficiency", type=float, default=0.8, help="assumed fraction of a link's bandwidth")
-    p.add_argument("--reserve-gib", type=float, default=1.0, help="CUDA context and NCCL buffers, assumed")
-    p.add_argument("--json", action="store_true")
-    return p
 
 
 def setting_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> Setting:
     """The Setting the flags give; a combination the planner cannot predict is the parser's error (exit code 2)."""
-    if args.compile and args.layout in ("padded", "masked"):
+    if args.compile is None:  # the scripts' default; assets/host_ops.py counts compiled layers on packed rows only
+        args.compile = args.layout not in ("padded", "masked")
+    elif args.compile and args.layout in ("padded", "masked"):
         p.error(
             "--compile: assets/host_ops.py counts the compiled layers' launches on packed rows: --layout packed or full"
         )

@@ -132,13 +132,17 @@ def prediction_notes(s: Setting, rows: list[dict], auto: bool = False) -> list[s
     notes.append(f"layout: {layout}")
     if op_s:
         compiled = (
-            "; the decoder layers compiled: the compiled graphs' kernels and extern ops, counted on a CPU's inductor "
-            "(C++ kernels standing in for CUDA's Triton ones: a prediction), each costing what an eager op does"
-            if s.compile
+            "; compiled layers: the compiled graphs' kernels and extern ops, counted on a CPU's inductor (C++ kernels "
+            "standing in for CUDA's Triton ones: a prediction), each costing what an eager op does"
+            if any(r["compiled"] for r in done)
             else ""
         )
-        counts = {r["quant"]: r["host_ops_per_micro_batch"] for r in done if r["mesh"].get("pp", 1) == 1}
-        counts = ", ".join(f"{n:,} ({'NF4' if q == 'nf4' else 'bf16'})" for q, n in counts.items())
+        counts = {
+            (r["quant"], r["compiled"]): r["host_ops_per_micro_batch"] for r in done if r["mesh"].get("pp", 1) == 1
+        }
+        counts = ", ".join(
+            f"{n:,} ({'NF4' if q == 'nf4' else 'bf16'}, {'compiled' if c else 'eager'})" for (q, c), n in counts.items()
+        )
         notes.append(
             f"host: {counts} ops per micro-batch on a rank that holds every layer ({ops_source(s)} code, counted by "
             f"assets/host_ops.py{compiled}) x {op_s * 1e6:.2f} us per op"
@@ -161,6 +165,6 @@ def prediction_notes(s: Setting, rows: list[dict], auto: bool = False) -> list[s
         source = "assumed"
     notes.append(
         f"GPU: the FLOPs the kernels compute (padding and the recompute included) at {mfu:.1%} of the dense bf16 "
-        f"peak ({source})" + ("; compiled kernels taken as no faster than eager ones" if s.compile else "")
+        f"peak ({source})" + ("; compiled kernels taken as no faster than eager ones" if op_s and s.compile else "")
     )
     return notes

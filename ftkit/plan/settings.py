@@ -69,7 +69,9 @@ class Setting:
     reserve_bytes: float = GIB
     # The host and the batch layout (issue 30). The defaults are the GPU-only model on the scripts' own layout.
     layout: str = "auto"  # auto | full | padded | packed | masked: see LAYOUTS (auto: layouts.resolve)
-    compile: bool = False  # the decoder layers compiled (the host's count: COMPILED_OPS, a prediction)
+    # The decoder layers compiled where the script compiles them (techniques.compiled; the host's count of compiled
+    # layers a prediction), as the scripts do on CUDA and the command's default; False: every layer eager.
+    compile: bool = False
     host: str | None = None  # a calibrated host (HOSTS), or None: the host is not modelled (its cost 0)
     host_op_s: float | None = None  # seconds per op on the host [the host's calibration]
     seed: int = 0  # the global batches' seed (the scripts' --seed), for the AMI layouts
@@ -95,7 +97,7 @@ class Setting:
     @property
     def legacy(self) -> bool:
         """The planner as it was before it modelled the host: no host, every row --max-length real tokens."""
-        return self.host is None and self.host_op_s is None and self.layout == "full" and not self.compile
+        return self.host is None and self.host_op_s is None and self.layout == "full"
 
 
 # The Setting fields a run records under the same names (config.json's and summary.json's "config").

@@ -3,10 +3,11 @@ planner's margin), its step time and tokens/s, or why the experiment refuses the
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import statistics
 
-from ftkit import batching, errors, ranks
+from ftkit import batching, cli, errors, ranks
 from ftkit.memory import GIB, lora_params, predict
 from ftkit.plan.layouts import layout_steps, resolve
 from ftkit.plan.settings import Setting
@@ -94,11 +95,20 @@ def check_whole_model_loads(s: Setting, quant: str = "none") -> None:
         )
 
 
+def compiled(s: Setting, technique: str, quant: str) -> bool:
+    """Whether the script runs this row's decoder layers compiled: on CUDA it compiles them by default, but for
+    techniques and bases that run eager whatever --compile says (cli.layers_compiled: tp-sp-ft, cp-ft, fsdp-ft on
+    a 4-bit base; pp-ft's default schedule compiles). Only the host's op count depends on it."""
+    run = argparse.Namespace(experiment=EXPERIMENTS[technique], quant=quant, compile=s.compile, schedule="1f1b")
+    return cli.layers_compiled(run)
+
+
 def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> dict:
     """One row: the memory and step-time prediction, or the reason the experiment refuses this setting (its own
     error message where it has one). With the AMI layouts, the step time is the median over the layout's steps and
     tokens/s their real tokens over their time; "auto" is the layout the scripts run (`layouts.resolve`)."""
     s = resolve(s, technique)
+    s = dataclasses.replace(s, compile=compiled(s, technique, quant))
     row = {"technique": technique, "experiment": EXPERIMENTS[technique], "mesh": mesh, "quant": quant}
     shape, cfg = s.shape, s.config
     dp, tp, pp, cp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1), mesh.get("cp", 1)
@@ -148,6 +158,7 @@ def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> di
         **out,
         "host_s": statistics.median(p["host_s"] for p in steps),
         "host_ops_per_micro_batch": steps[0]["host_ops_per_micro_batch"],
+        "compiled": s.compile,
         # the host's work per unit of real data: ops dispatched (eager) or launched (compiled), all ranks
         "host_ops_per_1000_tokens": 1000 * sum(p["host_ops"] for p in steps) / sum(p["tokens"] for p in steps),
         "micro_batches": statistics.median(len(p["micros"]) for p in steps),
