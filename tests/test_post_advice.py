@@ -311,6 +311,14 @@ DECISIONS = [
         "4-bit FSDP",
         tokens=True,
     ),
+    # blogs/ddp.md, "What to run, and when": a global batch that fills 8 GPUs (at 16, fsdp-tp-ft leads: the flag test)
+    d(
+        "ddp.md",
+        "Give each rank enough of the batch.",
+        "--gpus 8 --gpu h100-sxm --batch-size 64",
+        "ddp-ft --quant none (dp8)",
+        "`ddp-ft --quant none` leads again",
+    ),
     # blogs/ddp.md, "What to run, and when": the planner's example cards without peer-to-peer
     d(
         "ddp.md",
