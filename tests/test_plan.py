@@ -786,6 +786,16 @@ def test_a_pick_made_because_the_batch_does_not_divide_says_so():
     assert "does not divide over their ranks: ddp-ft, fsdp-ft" in refused["recommendation"]["reason"]
     priced = recommendation.plan(dataclasses.replace(s, batch_size=32))
     assert row(priced, "ddp-ft", quant="none")["fits"] and "not priced" not in priced["recommendation"]["reason"]
+    # ...and gives the pick at the next batch that divides: on 3 GPUs at 16 the pick by elimination is pp-ft, at
+    # 18 DDP, predicted about twice as fast (blogs/pp.md says so).
+    three = main(["--gpus", "3", "--gpu", "rtx4090", "--json"])["recommendation"]
+    at_18 = main(["--gpus", "3", "--gpu", "rtx4090", "--batch-size", "18", "--json"])["recommendation"]
+    assert three["experiment"] == "pp-ft" and at_18["experiment"] == "ddp-ft"
+    said = at_18["reason"].split(" tokens/s", 1)[0]
+    assert (
+        f"at --batch-size 18 (another global batch: another run) the pick is ddp-ft --quant none (dp3), {said}"
+        in (three["reason"])
+    )
 
 
 def test_a_tp_or_cp_group_wider_than_a_node_crosses_the_link_between_nodes():

@@ -3,6 +3,8 @@ prediction assumes, in words."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from ftkit.memory import GIB
 from ftkit.plan.hosts import HOSTS, NF4_PASS_S, host_calibration, ops_source
 from ftkit.plan.layouts import resolve
@@ -25,7 +27,9 @@ def label(row: dict) -> str:
     return f"{row['experiment']}{quant} ({mesh_label(row['mesh'])})"
 
 
-def recommend(rows: list[dict], s: Setting) -> dict:
+def recommend(rows: list[dict], s: Setting, dividing: tuple[int, str] | None = None) -> dict:
+    """The pick among the rows that fit: the fastest, or a simpler one within NEAR of it; `dividing`: the pick at the
+    next global batch that divides over the GPUs, where data-parallel rows were refused for the batch alone."""
     fitting = [r for r in rows if r.get("fits")]
     if not fitting:
         least = min((r for r in rows if "required_bytes" in r), key=lambda r: r["required_bytes"])
@@ -63,6 +67,8 @@ def recommend(rows: list[dict], s: Setting) -> dict:
             f"; not priced because --batch-size {s.batch_size} does not divide over their ranks: "
             f"{', '.join(unpriced)} (their rows name a batch that does)"
         )
+        if dividing:
+            reason += f"; at --batch-size {dividing[0]} (another global batch: another run) the pick is {dividing[1]}"
     return {
         "technique": pick["technique"],
         "experiment": pick["experiment"],
@@ -72,8 +78,23 @@ def recommend(rows: list[dict], s: Setting) -> dict:
     }
 
 
+def at_dividing_batch(s: Setting, rows: list[dict]) -> tuple[int, str] | None:
+    """Where rows were refused only because the global batch does not divide over their ranks (3 or 6 GPUs at 16), the
+    next batch that divides over every GPU and the pick there: a pick by elimination can be far slower."""
+    if not any(r.get("batch_refused") for r in rows):
+        return None
+    per_step = (1 if s.micro_batch_tokens else s.micro_batch_size) * s.gpus
+    n = -(-s.batch_size // per_step) * per_step
+    at_n = dataclasses.replace(s, batch_size=n)
+    rec = recommend([evaluate(at_n, *c) for c in candidates(at_n)], at_n)
+    if rec["technique"] is None:
+        return None
+    return n, rec["reason"].split(" tokens/s", 1)[0].replace("fits (", f"{label(rec)}, fits (", 1) + " tokens/s"
+
+
 def plan(s: Setting) -> dict:
     rows = [evaluate(s, *c) for c in candidates(s)]
+    dividing = at_dividing_batch(s, rows)
     auto, s = s.layout == "auto", resolve(s)
     op_s, mfu = host_calibration(s)
     result = {
@@ -96,7 +117,7 @@ def plan(s: Setting) -> dict:
             "link_source": s.link.source,
         },
         "techniques": rows,
-        "recommendation": recommend(rows, s),
+        "recommendation": recommend(rows, s, dividing),
     }
     if not s.legacy:
         result["setting"].update(layout=s.layout, compile=s.compile, host=s.host, seed=s.seed, tokenizer=s.tokenizer)
