@@ -788,6 +788,10 @@ def test_a_pick_made_because_the_batch_does_not_divide_says_so():
     assert row(priced, "ddp-ft", quant="none")["fits"] and "not priced" not in priced["recommendation"]["reason"]
     # ...and gives the pick at the next batch that divides: on 3 GPUs at 16 the pick by elimination is pp-ft, at
     # 18 DDP, predicted about twice as fast (blogs/pp.md says so).
+    # On 9 GPUs pp-ft's 8 micro-batches are fewer than its 9 stages, which torch's 1F1B refuses: so does the planner.
+    nine = main(["--gpus", "9", "--gpu", "rtx4090", "--json"])
+    assert "fewer than its 9 pipeline stages" in row(nine, "pp-ft")["refused"]
+    assert nine["recommendation"]["experiment"] != "pp-ft" and "at --batch-size 18" in nine["recommendation"]["reason"]
     three = main(["--gpus", "3", "--gpu", "rtx4090", "--json"])["recommendation"]
     at_18 = main(["--gpus", "3", "--gpu", "rtx4090", "--batch-size", "18", "--json"])["recommendation"]
     assert three["experiment"] == "pp-ft" and at_18["experiment"] == "ddp-ft"
