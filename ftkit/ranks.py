@@ -134,6 +134,16 @@ def gather_split(t: torch.Tensor, dim: int | None, group=None) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
+def check_pipeline_microbatches(microbatches: int, stages: int, micro_batch_size: int) -> None:
+    """torch's 1F1B schedule raises on fewer micro-batches a step than pipeline stages, after every rank has loaded
+    the model (Schedule1F1B's constructor): refused here first, from the flags."""
+    if microbatches < stages:
+        raise RunError(
+            f"{microbatches} micro-batches a step are fewer than the {stages} pipeline stages, which torch's 1F1B "
+            f"schedule refuses: --batch-size {stages * micro_batch_size} or more (or fewer ranks)"
+        )
+
+
 def check_tp_degree(config, tp: int) -> None:
     """Heads and MLP columns are dealt out whole: a tensor-parallel degree must divide the KV heads (and so the
     query heads, a multiple of them) and the intermediate size. Checked from the config, before any weight loads."""

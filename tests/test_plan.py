@@ -790,7 +790,7 @@ def test_a_pick_made_because_the_batch_does_not_divide_says_so():
     # 18 DDP, predicted about twice as fast (blogs/pp.md says so).
     # On 9 GPUs pp-ft's 8 micro-batches are fewer than its 9 stages, which torch's 1F1B refuses: so does the planner.
     nine = main(["--gpus", "9", "--gpu", "rtx4090", "--json"])
-    assert "fewer than its 9 pipeline stages" in row(nine, "pp-ft")["refused"]
+    assert "fewer than the 9 pipeline stages" in row(nine, "pp-ft")["refused"]
     assert nine["recommendation"]["experiment"] != "pp-ft" and "at --batch-size 18" in nine["recommendation"]["reason"]
     three = main(["--gpus", "3", "--gpu", "rtx4090", "--json"])["recommendation"]
     at_18 = main(["--gpus", "3", "--gpu", "rtx4090", "--batch-size", "18", "--json"])["recommendation"]

@@ -344,6 +344,15 @@ def test_stage_layout():
     assert [stages_of(r, 3, "1f1b") for r in range(3)] == [[0], [1], [2]]
 
 
+def test_fewer_micro_batches_than_stages_are_refused_before_the_model(tmp_path, data_dir, monkeypatch):
+    """4 stages on 4 ranks with 2 micro-batches a step (--batch-size 8, micro-batch 4): torch's Schedule1F1B would
+    raise after every rank had loaded the model; refused first, with the batch that works."""
+    argv = flags(data_dir, 4, "--output-dir", str(tmp_path / "o"))
+    message = parity.refused(monkeypatch, TRAIN, *argv, world=4)
+    assert "2 micro-batches a step are fewer than the 4 pipeline stages" in message and "--batch-size 16" in message
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("world, schedule", [(3, "1f1b"), (4, "interleaved-1f1b"), (4, "zbv")])
 def test_stages_that_do_not_divide_the_layers_are_refused(world, schedule, tmp_path, data_dir, monkeypatch):
     """3 stages on 3 ranks, or 8 on 4 ranks interleaved or on a V, for 4 layers: refused before the process group

@@ -34,10 +34,6 @@ EXPERIMENTS = {
 }
 
 
-PP_MICRO_BATCHES = (
-    "{accum} micro-batches a step are fewer than its {pp} pipeline stages, which torch's 1F1B schedule refuses: "
-    "--batch-size {batch} or more"
-)
 CP_LAYOUT = (
     "cp-ft trains whole meetings (--task meetings), one padded row per micro-batch; the AMI layouts are the other "
     "scripts' rows of AMI's examples: plan cp-ft with --layout full, every row --max-length tokens (the default "
@@ -136,8 +132,11 @@ def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> di
         accum = batching.accumulation_steps(s.batch_size, 1 if s.micro_batch_tokens else s.micro_batch_size, dp)
     except errors.DataError as e:  # the global batch, not the technique: the recommendation says so
         return {**row, "refused": str(e), "batch_refused": True}
-    if pp > accum:  # torch's 1F1B (pp-ft's default) raises on fewer micro-batches than stages
-        return {**row, "refused": PP_MICRO_BATCHES.format(accum=accum, pp=pp, batch=pp * s.micro_batch_size)}
+    try:
+        if pp > 1:  # pp-ft's default 1F1B, the schedule the planner models
+            ranks.check_pipeline_microbatches(accum, pp, s.micro_batch_size)
+    except errors.RunError as e:
+        return {**row, "refused": str(e)}
     try:
         steps = [step_time(s, technique, mesh, quant, step) for step in layout_steps(s, dp)]
     except ValueError as e:  # no op count for this setting's host (host_ops_per_micro says which)
