@@ -19,24 +19,14 @@ a run that then runs out of memory says what the memory model predicted (`errors
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 
 import torch
 
-from ftkit import batching, cli, errors, hardware, lora, models, ranks
+from ftkit import batching, cli, errors, hardware, models, ranks
 from ftkit.memory import GIB
-from ftkit.plan import settings, techniques
-
-FIT_TOKENS = (None, 4096, 8192, 16384, 32768)  # None: --micro-batch-size rows of --max-length
-FIT_CHECKPOINTING = ("all", "every-2", "none")
-
-
-def host_for(gpu: hardware.GPU) -> str:
-    """The planner's calibrated host (plan/hosts.py) for a run on this GPU: the lent H200 machines' (h200-vm), else
-    the H100 machines' (h100-vm), the GPU machines' hosts the devlog measured."""
-    return "h200-vm" if gpu.key == "h200" else "h100-vm"
-
+from ftkit.plan import settings
+from ftkit.plan.fitting import chosen, describe, fastest, host_for
 
 # The experiments the fit lays out (the planner's technique names); pp-ft and cp-ft run padded rows of their own.
 TECHNIQUE = {"single-gpu-ft": "single", "ddp-ft": "ddp", "fsdp-ft": "fsdp", "tp-ft": "tp", "tp-sp-ft": "tp-sp"}
@@ -118,23 +108,6 @@ def setting(args: argparse.Namespace, gpu: hardware.GPU, memory_bytes: float, wo
     )
 
 
-def candidates(base: settings.Setting) -> list[settings.Setting]:
-    """Every layout and checkpointing FIT_TOKENS and FIT_CHECKPOINTING give, a token budget only where it is more
-    than a row of --max-length and less than the whole global batch's positions."""
-    most = base.batch_size * base.max_length
-    budgets = [t for t in FIT_TOKENS if t is None or base.max_length < t < 2 * most]
-    out = []
-    for tokens in budgets:
-        for spec in FIT_CHECKPOINTING:
-            every = lora.checkpoint_every(spec)
-            out.append(
-                dataclasses.replace(
-                    base, micro_batch_tokens=tokens, grad_checkpointing=every > 0, checkpoint_every=max(every, 1)
-                )
-            )
-    return out
-
-
 def choose(args: argparse.Namespace, mesh: dict[str, int]) -> dict:
     """`choose_for` this process's GPU: its name (the planner's datasheet row) and its memory as torch reports it."""
     device = torch.device("cuda", torch.cuda.current_device())
@@ -149,38 +122,21 @@ def choose_for(args: argparse.Namespace, gpu: hardware.GPU, memory: float, world
     """The fastest candidate the planner predicts fits `memory` bytes of `gpu`, as a record: what was chosen, its
     prediction, the reference layout's, and the line the run prints."""
     base = setting(args, gpu, memory, world)
-    technique, quant = TECHNIQUE[args.experiment], getattr(args, "quant", "none")
-    rows = []
-    for s in candidates(base):
-        row = techniques.evaluate(s, technique, mesh, quant)
-        if "refused" not in row:
-            rows.append((s, row))
-    fits = [(s, r) for s, r in rows if r["fits"]]
-    if not fits:
+    priced = fastest(base, TECHNIQUE[args.experiment], mesh, getattr(args, "quant", "none"))
+    if priced["chosen"] is None:
         return {"off": f"no layout is predicted to fit {memory / GIB:.1f} GiB; the defaults run"}
-    s, best = max(fits, key=lambda sr: sr[1]["tokens_per_s"])
-    spec = describe_checkpointing(s)
-    layout = f"--micro-batch-tokens {s.micro_batch_tokens}" if s.micro_batch_tokens else f"{s.micro_batch_size} rows"
-    reference = next(
-        (r for c, r in rows if c.micro_batch_tokens is None and c.grad_checkpointing and c.checkpoint_every == 1), None
-    )
+    (s, best), reference = priced["chosen"], priced["reference"]
     said = (
-        f"{layout} --checkpointing {spec}: predicted {best['memory_bytes'] / GIB:.1f} GiB "
+        f"{describe(chosen(s), base.micro_batch_size)}: predicted {best['memory_bytes'] / GIB:.1f} GiB "
         f"({best['required_bytes'] / GIB:.1f} with the planner's margin) of {memory / GIB:.1f} on {gpu.key}, "
-        f"{best['tokens_per_s']:,.0f} real tokens/s, the fastest of {len(fits)} layouts that fit"
+        f"{best['tokens_per_s']:,.0f} real tokens/s, the fastest of {priced['fits']} layouts that fit"
     )
     if reference:
         said += f" ({base.micro_batch_size} rows, every layer checkpointed: {reference['tokens_per_s']:,.0f})"
     return {
-        "chosen": {"micro_batch_tokens": s.micro_batch_tokens, "checkpointing": spec},
+        "chosen": chosen(s),
         "predicted": {k: best[k] for k in ("memory_bytes", "required_bytes", "tokens_per_s", "step_time_s")},
         "reference_tokens_per_s": reference and reference["tokens_per_s"],
         "gpu_memory_bytes": memory,
         "said": said + " (a prediction: ftkit.plan on the shipped AMI batches)",
     }
-
-
-def describe_checkpointing(s: settings.Setting) -> str:
-    if not s.grad_checkpointing:
-        return "none"
-    return "all" if s.checkpoint_every == 1 else f"every-{s.checkpoint_every}"

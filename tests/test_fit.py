@@ -5,6 +5,7 @@ makes it from the same facts."""
 
 from __future__ import annotations
 
+import dataclasses
 import runpy
 import types
 
@@ -13,7 +14,7 @@ import torch
 from conftest import ROOT
 
 from ftkit import cli, data, errors, fit, hardware, ranks
-from ftkit.plan import techniques
+from ftkit.plan import fitting, techniques
 
 
 def fake_cuda(monkeypatch, name: str = "NVIDIA H100 80GB HBM3", memory: float = 79.1 * 2**30) -> None:
@@ -54,11 +55,11 @@ def test_the_choice_is_the_fastest_layout_predicted_to_fit(key):
     choice = fit.choose_for(args, gpu, gpu.memory_bytes, 1, {})
     rows = [
         techniques.evaluate(s, "single", {}, "none")
-        for s in fit.candidates(fit.setting(args, gpu, gpu.memory_bytes, 1))
+        for s in fitting.candidates(fit.setting(args, gpu, gpu.memory_bytes, 1))
     ]
-    fitting = [r for r in rows if r.get("fits")]
+    fit_rows = [r for r in rows if r.get("fits")]
     assert choice["predicted"]["required_bytes"] <= gpu.memory_bytes
-    assert choice["predicted"]["tokens_per_s"] == max(r["tokens_per_s"] for r in fitting)
+    assert choice["predicted"]["tokens_per_s"] == max(r["tokens_per_s"] for r in fit_rows)
     assert "a prediction" in choice["said"]
     if key != "rtx4090":  # an 80 GB card is not filled by 2 rows with every layer checkpointed
         assert choice["chosen"] != {"micro_batch_tokens": None, "checkpointing": "all"}
@@ -99,3 +100,43 @@ def test_a_job_across_nodes_is_priced_across_nodes(monkeypatch):
     assert fit.setting(args, gpu, gpu.memory_bytes, 16).nodes == 1
     step = [techniques.evaluate(s, "fsdp", {"dp": 16}, "none")["step_time_s"] for s in (one, two)]
     assert step[1] > step[0]
+
+
+def test_the_planner_prices_each_run_at_the_layout_its_fit_chooses(capsys):
+    """`python -m ftkit.plan` (its default --fit auto) prices each experiment at the layout the run's --fit auto
+    would choose on that GPU, so that its recommendation is what the run does: on 2 x RTX 4090 the NF4 base frees the
+    memory for checkpointing every other layer, and QLoRA DDP leads where bf16 DDP led at the reference layout. A
+    layout flag or --fit off prices every experiment at the flags' layout; pp-ft and cp-ft keep their own."""
+    from ftkit.plan.__main__ import main
+
+    gpu = hardware.gpu("rtx4090")
+    planned = main(["--gpus", "2", "--gpu", "rtx4090", "--json"])
+    for quant in ("nf4", "none"):
+        parser = cli.common_parser("test", experiment="ddp-ft")
+        parser.add_argument("--quant", default=quant)
+        args = cli.resolve(parser.parse_args(["--model", "qwen3-4b-shape", "--compile"]))
+        run = fit.choose_for(args, gpu, gpu.memory_bytes, 2, {"dp": 2})
+        row = next(r for r in planned["techniques"] if r["experiment"] == "ddp-ft" and r["quant"] == quant)
+        assert row["fit"] == run["chosen"], quant
+        at = dataclasses.replace(
+            fit.setting(args, gpu, gpu.memory_bytes, 2),
+            layout="auto",
+            host=None,
+            micro_batch_tokens=run["chosen"]["micro_batch_tokens"],
+            checkpoint_every=2 if run["chosen"]["checkpointing"] == "every-2" else 1,
+            grad_checkpointing=run["chosen"]["checkpointing"] != "none",
+        )
+        assert row["tokens_per_s"] == techniques.evaluate(at, "ddp", {"dp": 2}, quant)["tokens_per_s"]
+    rec = planned["recommendation"]
+    chosen = {"micro_batch_tokens": 4096, "checkpointing": "every-2"}
+    assert (rec["experiment"], rec["quant"], rec["fit"]) == ("ddp-ft", "nf4", chosen)
+    assert "at --fit auto's --micro-batch-tokens 4096 --checkpointing every-2" in rec["reason"]
+    assert next(r for r in planned["techniques"] if r["experiment"] == "pp-ft").get("fit") is None
+    off = main(["--gpus", "2", "--gpu", "rtx4090", "--fit", "off", "--json"])
+    assert (
+        off["techniques"]
+        == main(["--gpus", "2", "--gpu", "rtx4090", "--micro-batch-size", "2", "--json"])["techniques"]
+    )
+    assert not any(r.get("fit") for r in off["techniques"])
+    assert (off["recommendation"]["experiment"], off["recommendation"]["quant"]) == ("ddp-ft", "none")
+    capsys.readouterr()

@@ -48,9 +48,15 @@ DECISIONS = [
         for flags in (
             "--gpu h100-pcie --link pcie4",
             "--gpu h100-pcie --link pcie4 --micro-batch-size 1",
-            "--gpu rtx4090",
             "--gpu h100-sxm --link nvlink4",
         )
+    ),
+    d(
+        "tp-sp.md",
+        "The job fits a data-parallel run:",
+        ["--gpus", "2", *RTX4090],
+        "ddp-ft --quant nf4 (dp2)",
+        "ddp-ft --quant nf4",
     ),
     d(
         "tp-sp.md",
@@ -73,36 +79,36 @@ DECISIONS = [
         "fsdp-tp.md",
         "The job fits on one GPU",
         ["--gpus", "2", *RTX4090],
-        "ddp-ft --quant none (dp2)",
-        "ddp-ft --quant none",
+        "ddp-ft --quant nf4 (dp2)",
+        "ddp-ft --quant nf4",
     ),
     d(
         "fsdp-tp.md",
         "The job fits on one GPU",
         ["--gpus", "16", "--nodes", "2", *RTX4090, "--batch-size", "64"],
-        "ddp-ft --quant none (dp16)",
-        "ddp-ft --quant none",
-    ),
-    d(
-        "fsdp-tp.md",
-        "Only a 4-bit replica fits, across nodes",
-        "--model Qwen/Qwen3-32B --gpus 16 --nodes 2 --batch-size 64",
         "ddp-ft --quant nf4 (dp16)",
         "ddp-ft --quant nf4",
     ),
     d(
         "fsdp-tp.md",
-        "On one node of H100s the planner puts sharding the bf16 base first",
+        "Only a 4-bit replica fits, across nodes",
+        "--model Qwen/Qwen3-32B --gpus 16 --nodes 2 --batch-size 64",
+        "fsdp-ft --quant nf4 (dp16)",
+        "fsdp-ft --quant nf4",
+    ),
+    d(
+        "fsdp-tp.md",
+        "On one node of H100s",
         "--model Qwen/Qwen3-32B --gpus 8 --batch-size 64",
-        "fsdp-ft (dp8)",
-        "`fsdp-ft`",
+        "fsdp-tp-ft (dp2 x tp4)",
+        "fsdp-tp-ft (dp2 x tp4)",
     ),
     d(
         "fsdp-tp.md",
         "with the host modelled as well",
         "--model Qwen/Qwen3-32B --gpus 16 --nodes 2 --batch-size 64 --host h100-vm",
-        "fsdp-tp-ft (dp8 x tp2)",
-        "`fsdp-tp-ft` (dp8 x tp2)",
+        "fsdp-tp-ft (dp4 x tp4)",
+        "fsdp-tp-ft (dp4 x tp4)",
     ),
     d(
         "fsdp-tp.md",
@@ -162,15 +168,15 @@ DECISIONS = [
         "what-fills-gpu-memory.md",
         "no → DDP: a replica per GPU",
         ["--gpus", "2", *RTX4090],
-        "ddp-ft --quant none (dp2)",
+        "ddp-ft --quant nf4 (dp2)",
         "ddp-ft",
     ),
     d(
         "what-fills-gpu-memory.md",
         "only the 4-bit replica fits DDP, all GPUs on one node",
         "--model Qwen/Qwen3-32B --gpus 8 --batch-size 64",
-        "fsdp-ft (dp8)",
-        "fsdp-ft",
+        "fsdp-tp-ft (dp2 x tp4)",
+        "fsdp-tp-ft",
     ),
     d(
         "what-fills-gpu-memory.md",
@@ -219,8 +225,8 @@ DECISIONS = [
         "what-fills-gpu-memory.md",
         "2 × 24 GB on PCIe 4",
         ["--gpus", "2", *RTX4090],
-        "ddp-ft --quant none (dp2)",
-        "ddp-ft/train.py --quant none",
+        "ddp-ft --quant nf4 (dp2)",
+        "ddp-ft/train.py --quant nf4",
     ),
     d(
         "what-fills-gpu-memory.md",
@@ -233,8 +239,8 @@ DECISIONS = [
         "what-fills-gpu-memory.md",
         "2 nodes × 8 H100 on InfiniBand with Qwen3-32B",
         "--model Qwen/Qwen3-32B --gpus 16 --nodes 2 --batch-size 64",
-        "ddp-ft --quant nf4 (dp16)",
-        "ddp-ft --quant nf4",
+        "fsdp-ft --quant nf4 (dp16)",
+        "fsdp-ft --quant nf4",
     ),
     # blogs/fsdp.md, "When to pick FSDP over DDP for LoRA"
     d(
@@ -248,8 +254,8 @@ DECISIONS = [
         "fsdp.md",
         "The bf16 replica fits: use DDP.",
         ["--gpus", "2", *RTX4090],
-        "ddp-ft --quant none (dp2)",
-        "ddp-ft --quant none",
+        "ddp-ft --quant nf4 (dp2)",
+        "ddp-ft --quant nf4",
     ),
     d(
         "fsdp.md",
@@ -322,30 +328,28 @@ DECISIONS = [
     # blogs/ddp.md, "What to run, and when": the planner's example cards without peer-to-peer
     d(
         "ddp.md",
-        "it still recommends `ddp-ft --quant none`",
+        "it still recommends `ddp-ft`",
         ["--gpus", "2", *RTX4090],
-        "ddp-ft --quant none (dp2)",
-        "ddp-ft --quant none",
+        "ddp-ft --quant nf4 (dp2)",
+        "ddp-ft --quant nf4",
     ),
 ]
 
 
 # A case holds for what the scripts run, not only for the planner's defaults (the scripts' own layout: AMI's span
-# examples packed where they reach --max-length, every row --max-length real tokens beyond; the host not modelled;
-# torch's total_memory of the datasheet's card): its pick is the same on full rows (the layout the posts quoted
-# before it was the default), with the committed runs' host on the GPUs it was calibrated on, and with 0.15 GiB less
-# memory (drivers move total_memory by ~0.1 GiB). Where a case's pick does change, the post must say so: STATED names
+# examples packed where they reach --max-length, every row --max-length real tokens beyond, each experiment at the
+# layout its --fit auto chooses; the host not modelled; torch's total_memory of the datasheet's card): its pick is the
+# same with the committed runs' host on the GPUs it was calibrated on, and with 0.15 GiB less memory (drivers move
+# total_memory by ~0.1 GiB). Where a case's pick does change, the post must say so: STATED names
 # the variant, the other pick, and the words the post says it with.
 HOSTED = {"h100-sxm": "h100-vm", "h100-pcie": "h100-vm", "h200": "h200-vm"}
 STATED = {
-    ("fsdp-tp.md", "On 2 nodes of them"): {"full": ("fsdp-ft (dp16)", "on full rows, bf16")},
-    ("fsdp-tp.md", "Only a 4-bit replica fits, across nodes"): {"packed, host": ("fsdp-tp-ft (dp8 x tp2)", "host")},
+    ("fsdp-tp.md", "Only a 4-bit replica fits, across nodes"): {"packed, host": ("fsdp-tp-ft (dp4 x tp4)", "host")},
     ("fsdp-tp.md", "At `--batch-size 32`, whose rows leave ranks idle"): {
         "packed, host": ("fsdp-tp-ft (dp4 x tp4)", "dp4 x tp4 with the host modelled"),
-        "full": ("ddp-ft --quant nf4 (dp16)", "on full rows, QLoRA DDP"),
     },
     ("what-fills-gpu-memory.md", "2 nodes × 8 H100 on InfiniBand with Qwen3-32B"): {
-        "packed, host": ("fsdp-tp-ft (dp8 x tp2)", "fsdp-tp-ft")
+        "packed, host": ("fsdp-tp-ft (dp4 x tp4)", "fsdp-tp-ft")
     },
     ("cp.md", "At 40,960 tokens it picks 4-bit FSDP"): {"-0.15 GiB": ("cp-ft (cp2)", "0.08 GiB to spare")},
 }
@@ -356,10 +360,8 @@ def variants(argv: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
     flag = dict(zip(argv, argv[1:]))
     gpu = flag.get("--gpu", "h100-sxm")
     out = {"-0.15 GiB": (*argv, "--gpu-memory-gib", f"{hardware.gpu(gpu).memory_bytes / GIB - 0.15:.3f}")}
-    if not {"--layout", "--host"} & set(flag) and int(flag.get("--max-length", 2048)) <= longest():
-        out["full"] = (*argv, "--layout", "full")
-        if gpu in HOSTED:
-            out["packed, host"] = (*argv, "--host", HOSTED[gpu])
+    if not {"--layout", "--host"} & set(flag) and int(flag.get("--max-length", 2048)) <= longest() and gpu in HOSTED:
+        out["packed, host"] = (*argv, "--host", HOSTED[gpu])
     return out
 
 

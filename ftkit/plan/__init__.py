@@ -70,12 +70,20 @@ Without `--host` the host costs nothing and the GPU computes at 40%: the GPU-onl
 whose numbers the posts quote. Every output with the host or an AMI layout is labelled a prediction and lists what it
 assumes.
 
+The layout each run fits (`--fit auto`, the default, as the scripts' on CUDA): the scripts choose their micro-batch
+(a packed row of N tokens or --micro-batch-size rows) and checkpointing before the model loads, the fastest the
+memory model says fits (ftkit/fit.py). The planner prices each experiment that does so at the layout its run would
+choose, chosen as the run chooses it (`fitting.as_run_chooses`: the GPU's calibrated host and own link, whatever
+--host and --link say here), so that the recommendation is what the run does; a layout flag or `--fit off` prices
+every experiment at the flags' layout (the reference configuration's).
+
 The modules, each of one concern:
 - `settings`: the job and the GPUs (`Setting`), the Qwen3 models' config keys;
 - `hosts`: the host's op counts and their calibration on the committed H100 runs;
 - `layouts`: the batch layouts, the optimizer steps each gives as rank 0's micro-batches;
 - `timing`: one step's time, the queue of host and GPU, the collectives, the bubble;
 - `techniques`: every experiment and mesh the GPUs allow, and each one's row (memory, step time, tokens/s);
+- `fitting`: --fit auto's choice of layout, a run's (ftkit/fit.py) and each planner row's;
 - `recommendation`: the answer, the recommendation and its reason, what a prediction assumes;
 - `__main__`: the command, `python -m ftkit.plan`.
 """

@@ -28,9 +28,12 @@ def print_table(result: dict, model: str) -> None:
     )
     notes = result.get("prediction")
     gpu = f"MFU {a['mfu']:.0%}" if notes is None else f"GPU kernels at {a['mfu']:.1%} of the peak (below)"
+    layout = f"micro-batch {st['micro_batch_size']}, checkpointing {checkpointing(st)}"
+    if any(r.get("fit") for r in result["techniques"]):
+        layout = f"--fit auto's layout (below; else {layout})"
     print(
-        f"global batch {st['batch_size']} x {st['max_length']} tokens, micro-batch {st['micro_batch_size']}, LoRA "
-        f"r{st['lora_rank']}, checkpointing {checkpointing(st)}; assumed: {gpu}, links at "
+        f"global batch {st['batch_size']} x {st['max_length']} tokens, {layout}, LoRA "
+        f"r{st['lora_rank']}; assumed: {gpu}, links at "
         f"{a['link_efficiency']:.0%} of their bandwidth, memory x{a['memory_margin']} "
         f"+ {a['reserve_bytes'] / GIB:.1f} GiB"
     )
@@ -48,7 +51,9 @@ def print_table(result: dict, model: str) -> None:
             "--micro-batch-size rows a micro-batch: --layout packed predicts that"
         )
     host = "" if notes is None else f" {'host s':>7} {'mb/step':>7}"
-    print(f"{'experiment':<30} {'mesh':<14} {'quant':<5} {'need GiB':>8} {'fits':<4} {'compute s':>9} "
+    fitted = any(r.get("fit") for r in result["techniques"])
+    fit = f" {'--fit auto':<17}" if fitted else ""
+    print(f"{'experiment':<30} {'mesh':<14} {'quant':<5}{fit} {'need GiB':>8} {'fits':<4} {'compute s':>9} "
           f"{'comm s':>7} {'bubble s':>8}{host} {'step s':>7} {'tokens/s':>9}")  # fmt: skip
     for r in result["techniques"]:
         mesh = mesh_label(r["mesh"])
@@ -56,13 +61,22 @@ def print_table(result: dict, model: str) -> None:
             print(f"{r['experiment']:<30} {mesh:<14} {r['quant']:<5} refused: {r['refused']}")
             continue
         host = "" if notes is None else f" {r['host_s']:7.3f} {r['micro_batches']:7g}"
+        fit = f" {fit_label(r.get('fit'), st['micro_batch_size']):<17}" if fitted else ""
         print(
-            f"{r['experiment']:<30} {mesh:<14} {r['quant']:<5} {r['required_bytes'] / GIB:8.1f} "
+            f"{r['experiment']:<30} {mesh:<14} {r['quant']:<5}{fit} {r['required_bytes'] / GIB:8.1f} "
             f"{'yes' if r['fits'] else 'no':<4} {r['compute_s']:9.3f} {r['exposed_comm_s']:7.3f} "
             f"{r['bubble_s']:8.3f}{host} {r['step_time_s']:7.3f} {r['tokens_per_s']:9,.0f}"
         )
     rec = result["recommendation"]
     print(f"recommendation: {label(rec) if rec['technique'] else 'none'}: {rec['reason']}")
+
+
+def fit_label(choice: dict | None, rows: int) -> str:
+    """A row's --fit auto layout in the table: its micro-batch and checkpointing; "flags" where it has none."""
+    if not choice:
+        return "flags"
+    tokens = choice["micro_batch_tokens"]
+    return f"{f'{tokens} tok' if tokens else f'{rows} rows'}, {choice['checkpointing']}"
 
 
 def checkpointing(st: dict) -> str:
@@ -90,7 +104,7 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--inter-node-link", default="ib-ndr", choices=list(hardware.LINKS))
     p.add_argument("--batch-size", type=int, default=16, help="global batch, sequences")
-    p.add_argument("--micro-batch-size", type=int, default=2)
+    p.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch [2; --fit auto's choice]")
     p.add_argument(
         "--micro-batch-tokens",
         type=int,
@@ -134,6 +148,15 @@ def add_host_and_layout(p: argparse.ArgumentParser) -> None:
         "to --max-length, each micro-batch as wide as its fullest row (the scripts' default); masked: padded with "
         "the padding mask passed (the committed H100 runs); fixed: one example per row, right-padded to "
         "--max-length (pp-ft)",
+    )
+    p.add_argument(
+        "--fit",
+        choices=("auto", "off"),
+        default="auto",
+        help="auto: each experiment at the layout its run's --fit auto chooses (the scripts' default on CUDA: "
+        "micro-batch tokens and checkpointing, the fastest predicted to fit; not pp-ft, cp-ft, nor beyond AMI's "
+        "examples), unless a layout flag (--micro-batch-size, --micro-batch-tokens, --checkpointing) is given; "
+        "off: every experiment at the flags' layout [auto]",
     )
     p.add_argument(
         "--compile",
@@ -180,6 +203,9 @@ def setting_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> Settin
         p.error("--micro-batch-tokens: one packed row (--layout packed) of at least --max-length positions")
     if args.gpus < 1 or args.nodes < 1 or args.gpus % args.nodes:
         p.error(f"--gpus {args.gpus} must be a positive multiple of --nodes {args.nodes} (GPUs per node alike)")
+    layout_given = [args.micro_batch_size, args.micro_batch_tokens, args.checkpointing]
+    fit = args.fit == "auto" and args.grad_checkpointing and all(v is None for v in layout_given)
+    args.micro_batch_size = 2 if args.micro_batch_size is None else args.micro_batch_size
     gpu = hardware.gpu(args.gpu)
     try:
         config = model_config(args.model)
@@ -202,6 +228,7 @@ def setting_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> Settin
         link_efficiency=args.link_efficiency,
         layout=args.layout,
         compile=args.compile,
+        fit=fit,
         host=args.host,
         host_op_s=None if args.host_op_us is None else args.host_op_us * 1e-6,
         seed=args.seed,

@@ -6,10 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 from ftkit.memory import GIB
+from ftkit.plan.fitting import FIT_CHECKPOINTING, FIT_TOKENS, describe, row
 from ftkit.plan.hosts import HOSTS, NF4_PASS_S, host_calibration, ops_source
 from ftkit.plan.layouts import resolve
 from ftkit.plan.settings import Setting
-from ftkit.plan.techniques import EXPERIMENTS, MEMORY_MARGIN, candidates, evaluate
+from ftkit.plan.techniques import EXPERIMENTS, MEMORY_MARGIN, candidates
 
 # At predicted speeds within NEAR of the fastest, the simpler technique is recommended: the list's order.
 SIMPLER_FIRST = list(EXPERIMENTS)
@@ -48,6 +49,8 @@ def recommend(rows: list[dict], s: Setting, dividing: tuple[int, str] | None = N
         f"fits ({pick['required_bytes'] / GIB:.1f} of {s.memory_bytes / GIB:.1f} GiB with the margin); predicted "
         f"{pick['tokens_per_s']:,.0f} tokens/s"
     )
+    if pick.get("fit"):
+        reason += f" at --fit auto's {describe(pick['fit'], s.micro_batch_size)}"
     if pick is not best:
         behind = 1 - pick["tokens_per_s"] / best["tokens_per_s"]
         reason += f", {behind:.1%} behind the fastest, {label(best)}, and simpler"
@@ -70,10 +73,8 @@ def recommend(rows: list[dict], s: Setting, dividing: tuple[int, str] | None = N
         if dividing:
             reason += f"; at --batch-size {dividing[0]} (another global batch: another run) the pick is {dividing[1]}"
     return {
-        "technique": pick["technique"],
-        "experiment": pick["experiment"],
-        "mesh": pick["mesh"],
-        "quant": pick["quant"],
+        **{k: pick[k] for k in ("technique", "experiment", "mesh", "quant", "tokens_per_s", "required_bytes")},
+        "fit": pick.get("fit"),
         "reason": reason,
     }
 
@@ -86,14 +87,17 @@ def at_dividing_batch(s: Setting, rows: list[dict]) -> tuple[int, str] | None:
     per_step = (1 if s.micro_batch_tokens else s.micro_batch_size) * s.gpus
     n = -(-s.batch_size // per_step) * per_step
     at_n = dataclasses.replace(s, batch_size=n)
-    rec = recommend([evaluate(at_n, *c) for c in candidates(at_n)], at_n)
+    rec = recommend([row(at_n, *c) for c in candidates(at_n)], at_n)
     if rec["technique"] is None:
         return None
-    return n, rec["reason"].split(" tokens/s", 1)[0].replace("fits (", f"{label(rec)}, fits (", 1) + " tokens/s"
+    return n, (
+        f"{label(rec)}, fits ({rec['required_bytes'] / GIB:.1f} of {s.memory_bytes / GIB:.1f} GiB with the margin); "
+        f"predicted {rec['tokens_per_s']:,.0f} tokens/s"
+    )
 
 
 def plan(s: Setting) -> dict:
-    rows = [evaluate(s, *c) for c in candidates(s)]
+    rows = [row(s, *c) for c in candidates(s)]
     dividing = at_dividing_batch(s, rows)
     auto, s = s.layout == "auto", resolve(s)
     op_s, mfu = host_calibration(s)
@@ -120,7 +124,9 @@ def plan(s: Setting) -> dict:
         "recommendation": recommend(rows, s, dividing),
     }
     if not s.legacy:
-        result["setting"].update(layout=s.layout, compile=s.compile, host=s.host, seed=s.seed, tokenizer=s.tokenizer)
+        result["setting"].update(
+            layout=s.layout, compile=s.compile, fit=s.fit, host=s.host, seed=s.seed, tokenizer=s.tokenizer
+        )
         result["assumptions"].update(host_op_s=op_s, nf4_pass_s=NF4_PASS_S if op_s else 0.0)
         result["prediction"] = prediction_notes(s, rows, auto)
     return result
@@ -151,6 +157,14 @@ def prediction_notes(s: Setting, rows: list[dict], auto: bool = False) -> list[s
         if s.layout == "packed" and any(r["technique"] == "pp" for r in rows):
             layout += "; pp-ft's one example per row, right-padded to --max-length (its stages' one shape)"
     notes.append(f"layout: {layout}")
+    if any(r.get("fit") for r in rows):
+        budgets = ", ".join(f"{t:,}" for t in FIT_TOKENS if t)
+        notes.append(
+            "fit: each experiment marked in the fit column at the layout its run's --fit auto chooses (ftkit/fit.py): "
+            f"one packed row of {budgets} positions or {s.micro_batch_size} rows a micro-batch, checkpointing "
+            f"{', '.join(FIT_CHECKPOINTING)}, the fastest predicted to fit, chosen as the run chooses (on its GPU's "
+            "calibrated host: plan/fitting.py); --fit off or a layout flag: every experiment at the flags' layout"
+        )
     if op_s:
         compiled = (
             "; compiled layers: the compiled graphs' kernels and extern ops, counted on a CPU's inductor (C++ kernels "

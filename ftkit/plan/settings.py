@@ -72,6 +72,9 @@ class Setting:
     # The decoder layers compiled where the script compiles them (techniques.compiled; the host's count of compiled
     # layers a prediction), as the scripts do on CUDA and the command's default; False: every layer eager.
     compile: bool = False
+    # Each experiment at the layout its run's --fit auto chooses (plan.fitting), as the scripts do on CUDA and the
+    # command's default; False: every experiment at the flags' layout.
+    fit: bool = False
     host: str | None = None  # a calibrated host (HOSTS), or None: the host is not modelled (its cost 0)
     host_op_s: float | None = None  # seconds per op on the host [the host's calibration]
     seed: int = 0  # the global batches' seed (the scripts' --seed), for the AMI layouts
