@@ -26,7 +26,7 @@ import torch
 from ftkit import batching, cli, errors, hardware, models, ranks
 from ftkit.memory import GIB
 from ftkit.plan import settings
-from ftkit.plan.fitting import chosen, describe, fastest, host_for
+from ftkit.plan.fitting import as_run_chooses, chosen, describe, fastest
 
 # The experiments the fit lays out (the planner's technique names); pp-ft and cp-ft run padded rows of their own.
 TECHNIQUE = {"single-gpu-ft": "single", "ddp-ft": "ddp", "fsdp-ft": "fsdp", "tp-ft": "tp", "tp-sp-ft": "tp-sp"}
@@ -86,26 +86,26 @@ def default_mesh(args: argparse.Namespace) -> dict[str, int]:
 
 
 def setting(args: argparse.Namespace, gpu: hardware.GPU, memory_bytes: float, world: int) -> settings.Setting:
-    """The planner's Setting for this run on its GPU: its flags, the shipped AMI batches in Qwen3's tokens."""
-    return settings.Setting(
+    """The planner's Setting for this run on its GPU: its flags, the shipped AMI batches in Qwen3's tokens, and what
+    the run assumes of its hardware (`fitting.as_run_chooses`: links, host, efficiency, reserve)."""
+    base = settings.Setting(
         config=settings.model_config(args.model),
         gpu=gpu,
         gpus=world,
         nodes=nodes(world),
         link=hardware.LINKS[gpu.link],
-        inter_node_link=hardware.LINKS["ib-ndr"],  # the planner's default between nodes: InfiniBand NDR
+        inter_node_link=hardware.LINKS[gpu.link],  # as_run_chooses sets both links
         memory_bytes=memory_bytes,
         batch_size=args.batch_size,
         micro_batch_size=args.micro_batch_size,
         max_length=args.max_length,
         lora_rank=args.lora_rank,
         lora_dropout=args.lora_dropout,
-        layout="packed",
         compile=cli.layers_compiled(args),
-        host=host_for(gpu),
         seed=args.seed,
         tokenizer=models.QWEN3,
     )
+    return as_run_chooses(base)
 
 
 def choose(args: argparse.Namespace, mesh: dict[str, int]) -> dict:

@@ -133,10 +133,31 @@ def test_the_planner_prices_each_run_at_the_layout_its_fit_chooses(capsys):
     assert "at --fit auto's --micro-batch-tokens 4096 --checkpointing every-2" in rec["reason"]
     assert next(r for r in planned["techniques"] if r["experiment"] == "pp-ft").get("fit") is None
     off = main(["--gpus", "2", "--gpu", "rtx4090", "--fit", "off", "--json"])
-    assert (
-        off["techniques"]
-        == main(["--gpus", "2", "--gpu", "rtx4090", "--micro-batch-size", "2", "--json"])["techniques"]
-    )
+    flags = main(["--gpus", "2", "--gpu", "rtx4090", "--micro-batch-size", "2", "--json"])["techniques"]
+    assert [r for r in off["techniques"] if r["technique"] != "cp"] == [r for r in flags if r["technique"] != "cp"]
     assert not any(r.get("fit") for r in off["techniques"])
     assert (off["recommendation"]["experiment"], off["recommendation"]["quant"]) == ("ddp-ft", "none")
     capsys.readouterr()
+
+
+def test_the_planner_plans_each_script_at_its_own_micro_batch_unless_given():
+    """cp-ft runs one whole meeting per micro-batch (its REAL defaults): without --micro-batch-size the planner prices
+    it there, as `torchrun experiments/cp-ft/train.py` runs, and every other experiment at the common 2 rows; a given
+    --micro-batch-size plans them all at it."""
+    import ast
+
+    from ftkit.plan.__main__ import main
+
+    tree = ast.parse((ROOT / "experiments" / "cp-ft" / "train.py").read_text())
+    real = next(n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "REAL")
+    own = {k.arg: ast.literal_eval(k.value) for k in real.keywords}
+    assert fitting.OWN_MICRO_BATCH == {"cp": own["micro_batch_size"]}
+    job = ["--gpus", "2", "--gpu", "rtx4090", "--max-length", "32768", "--batch-size", "8", "--json"]
+    default, ones, twos = (
+        main(job + flag)["techniques"] for flag in ([], ["--micro-batch-size", "1"], ["--micro-batch-size", "2"])
+    )
+    by = {r["technique"]: r for r in default}
+    assert by["cp"] == next(r for r in ones if r["technique"] == "cp")
+    assert by["cp"]["micro_batch_size"] == 1 and by["cp"]["fits"]  # 19.0 GiB, where 2 rows of 32k need 27.4
+    assert not next(r for r in twos if r["technique"] == "cp")["fits"]
+    assert [r for r in default if r["technique"] != "cp"] == [r for r in twos if r["technique"] != "cp"]

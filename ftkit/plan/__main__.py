@@ -28,7 +28,9 @@ def print_table(result: dict, model: str) -> None:
     )
     notes = result.get("prediction")
     gpu = f"MFU {a['mfu']:.0%}" if notes is None else f"GPU kernels at {a['mfu']:.1%} of the peak (below)"
-    layout = f"micro-batch {st['micro_batch_size']}, checkpointing {checkpointing(st)}"
+    own = [r for r in result["techniques"] if r["micro_batch_size"] != st["micro_batch_size"] and "refused" not in r]
+    own = f" ({own[0]['experiment']}'s own {own[0]['micro_batch_size']})" if own else ""
+    layout = f"micro-batch {st['micro_batch_size']}{own}, checkpointing {checkpointing(st)}"
     if any(r.get("fit") for r in result["techniques"]):
         layout = f"--fit auto's layout (below; else {layout})"
     print(
@@ -104,7 +106,12 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--inter-node-link", default="ib-ndr", choices=list(hardware.LINKS))
     p.add_argument("--batch-size", type=int, default=16, help="global batch, sequences")
-    p.add_argument("--micro-batch-size", type=int, default=None, help="rows per micro-batch [2; --fit auto's choice]")
+    p.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="rows per micro-batch [2, cp-ft's own 1; --fit auto's choice]",
+    )
     p.add_argument(
         "--micro-batch-tokens",
         type=int,
@@ -205,6 +212,7 @@ def setting_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> Settin
         p.error(f"--gpus {args.gpus} must be a positive multiple of --nodes {args.nodes} (GPUs per node alike)")
     layout_given = [args.micro_batch_size, args.micro_batch_tokens, args.checkpointing]
     fit = args.fit == "auto" and args.grad_checkpointing and all(v is None for v in layout_given)
+    micro_batch_given = args.micro_batch_size is not None
     args.micro_batch_size = 2 if args.micro_batch_size is None else args.micro_batch_size
     gpu = hardware.gpu(args.gpu)
     try:
@@ -225,6 +233,7 @@ def setting_from(p: argparse.ArgumentParser, args: argparse.Namespace) -> Settin
         grad_checkpointing=every > 0,
         checkpoint_every=max(every, 1),
         micro_batch_tokens=args.micro_batch_tokens,
+        micro_batch_given=micro_batch_given,
         link_efficiency=args.link_efficiency,
         layout=args.layout,
         compile=args.compile,

@@ -23,6 +23,8 @@ FIT_TOKENS = (None, 4096, 8192, 16384, 32768)  # None: --micro-batch-size rows o
 FIT_CHECKPOINTING = ("all", "every-2", "none")
 # The experiments whose scripts lay out their batches with --fit auto; pp-ft and cp-ft run padded rows of their own.
 TECHNIQUES = ("single", "ddp", "fsdp", "tp", "tp-sp", "fsdp-tp")
+# A script's own --micro-batch-size where it is not the common 2: cp-ft's, one whole meeting per micro-batch.
+OWN_MICRO_BATCH = {"cp": 1}
 
 
 def host_for(gpu: hardware.GPU) -> str:
@@ -86,13 +88,13 @@ def fastest(base: Setting, technique: str, mesh: dict[str, int], quant: str) -> 
 def applies(s: Setting, technique: str) -> bool:
     """Whether the planner prices this experiment at --fit auto's layout: the command's --fit auto, an experiment that
     fits its layout, and the scripts' packed rows (beyond AMI's examples the planner plans longer data, full rows)."""
-    return s.fit and technique in TECHNIQUES and not s.legacy and resolve(s, technique).layout == "packed"
+    return s.fit and technique in TECHNIQUES and resolve(s, technique).layout == "packed"
 
 
 def as_run_chooses(s: Setting) -> Setting:
-    """The setting a run's --fit auto chooses with (ftkit/fit.py's `setting`): its GPU's calibrated host and own
-    link, InfiniBand NDR between nodes, the planner's default efficiency, reserve and answer positions; the job and
-    the GPU's memory as the planner's flags give them."""
+    """The setting a run's --fit auto chooses with (ftkit/fit.py's `setting` builds its own by it): its GPU's
+    calibrated host and own link, InfiniBand NDR between nodes, the planner's default efficiency, reserve and answer
+    positions; the job and the GPU's memory as the planner's flags give them."""
     return dataclasses.replace(
         s,
         link=hardware.LINKS[s.gpu.link],
@@ -112,7 +114,10 @@ def as_run_chooses(s: Setting) -> Setting:
 
 def row(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> dict:
     """The planner's row for one experiment: at the layout its run's --fit auto chooses where that `applies` (the row
-    says which, `fit`), else at the flags' layout (`techniques.evaluate`)."""
+    says which, `fit`), else at the flags' layout (`techniques.evaluate`); without --micro-batch-size, at the script's
+    own (OWN_MICRO_BATCH)."""
+    if not s.micro_batch_given and technique in OWN_MICRO_BATCH:
+        s = dataclasses.replace(s, micro_batch_size=OWN_MICRO_BATCH[technique])
     if not applies(s, technique):
         return evaluate(s, technique, mesh, quant)
     choice = fastest(as_run_chooses(s), technique, mesh, quant)["chosen"]

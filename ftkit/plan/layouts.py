@@ -105,24 +105,38 @@ class _Example:
         self.input_ids = range(n)
 
 
-def layout_steps(s: Setting, dp: int) -> list[Step]:
+def layout_steps(s: Setting, dp: int) -> tuple[Step, ...]:
     """The optimizer steps the layout gives, each as rank 0's micro-batches: the first `s.steps` (one epoch if None)
     of the scripts' global batches (batching.GlobalBatches at s.seed) for the AMI layouts, one step for "full"."""
-    m, length = s.micro_batch_size, s.max_length
-    if s.micro_batch_tokens:  # one packed row of that many positions per micro-batch (cli.check_micro_batch_tokens)
-        if s.layout != "packed":
-            raise ValueError(f"--micro-batch-tokens packs rows: the packed layout, not {s.layout!r}")
-        m = 1
-    accum = batching.accumulation_steps(s.batch_size, m, dp)
-    if s.layout == "full":
+    if s.micro_batch_tokens and s.layout != "packed":  # one packed row per micro-batch (cli.check_micro_batch_tokens)
+        raise ValueError(f"--micro-batch-tokens packs rows: the packed layout, not {s.layout!r}")
+    layout = (s.layout, s.batch_size, s.micro_batch_size, s.micro_batch_tokens, s.max_length)
+    return _layout_steps(*layout, s.tokenizer, s.seed, s.steps, dp)
+
+
+@functools.cache  # the planner prices one layout for every technique and checkpointing the fit tries
+def _layout_steps(
+    layout: str,
+    batch: int,
+    m: int,
+    tokens: int | None,
+    length: int,
+    tokenizer: str,
+    seed: int,
+    steps: int | None,
+    dp: int,
+) -> tuple[Step, ...]:
+    m = 1 if tokens else m
+    accum = batching.accumulation_steps(batch, m, dp)
+    if layout == "full":
         micro = Micro(m, length, m * length)  # the convention's lm_head at every token
-        return [Step((micro,) * accum, s.batch_size * length, s.batch_size * length)]
-    examples = ami_examples(length, s.tokenizer)
+        return (Step((micro,) * accum, batch * length, batch * length),)
+    examples = ami_examples(length, tokenizer)
     lengths = [n for n, _ in examples]
-    pack_to = (s.micro_batch_tokens or length) if s.layout == "packed" else None
-    batches = batching.GlobalBatches([_Example(n) for n in lengths], s.batch_size, s.seed, pack_to=pack_to)
+    pack_to = (tokens or length) if layout == "packed" else None
+    batches = batching.GlobalBatches([_Example(n) for n in lengths], batch, seed, pack_to=pack_to)
     out = []
-    for step in range(batches.per_epoch if s.steps is None else s.steps):
+    for step in range(batches.per_epoch if steps is None else steps):
         rows = batches.rows(step)  # longest first; packed, batching.pack's rows
         per_rank = batches.micro_steps(step, m, dp)
         parts = [rows[j * dp * m : (j * dp + 1) * m] for j in range(per_rank)]  # rank 0's
@@ -132,14 +146,14 @@ def layout_steps(s: Setting, dp: int) -> list[Step]:
                     m,
                     batching.packed_width([sum(lengths[i] for i in row) for row in p], pack_to),
                     m * max(sum(examples[i][1] for i in row) for row in p),
-                    tuple(lengths[i] for row in p for i in row) if s.micro_batch_tokens else (),
+                    tuple(lengths[i] for row in p for i in row) if tokens else (),
                 )
                 for p in parts
             )
             positions = sum(batches.padded_tokens(step, m, r, dp) for r in range(dp))
         else:  # one example per row, as wide as the micro-batch's longest ("fixed": --max-length)
-            width = [length if s.layout == "fixed" else lengths[rows[k * m][0]] for k in range(per_rank * dp)]
+            width = [length if layout == "fixed" else lengths[rows[k * m][0]] for k in range(per_rank * dp)]
             micros = tuple(Micro(m, width[j * dp], m * max(examples[i][1] for [i] in p)) for j, p in enumerate(parts))
             positions = sum(m * w for w in width)
         out.append(Step(micros, sum(lengths[i] for row in rows for i in row), positions))
-    return out
+    return tuple(out)

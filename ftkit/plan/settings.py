@@ -57,6 +57,8 @@ class Setting:
     memory_bytes: float
     batch_size: int = 16
     micro_batch_size: int = 2
+    # False: the command gave no --micro-batch-size, so each experiment runs its script's own (fitting.OWN_MICRO_BATCH)
+    micro_batch_given: bool = True
     micro_batch_tokens: int | None = None  # --micro-batch-tokens: one packed row of that many positions per micro-batch
     max_length: int = 2048
     answer_tokens: int = 256

@@ -110,6 +110,7 @@ def evaluate(s: Setting, technique: str, mesh: dict[str, int], quant: str) -> di
     s = resolve(s, technique)
     s = dataclasses.replace(s, compile=compiled(s, technique, quant))
     row = {"technique": technique, "experiment": EXPERIMENTS[technique], "mesh": mesh, "quant": quant}
+    row["micro_batch_size"] = s.micro_batch_size
     shape, cfg = s.shape, s.config
     dp, tp, pp, cp = mesh.get("dp", 1), mesh.get("tp", 1), mesh.get("pp", 1), mesh.get("cp", 1)
     used = dp * tp * pp * cp
