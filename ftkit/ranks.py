@@ -134,14 +134,27 @@ def gather_split(t: torch.Tensor, dim: int | None, group=None) -> torch.Tensor:
     return torch.cat(parts, dim=dim)
 
 
-def check_pipeline_microbatches(microbatches: int, stages: int, micro_batch_size: int) -> None:
-    """torch's 1F1B schedule raises on fewer micro-batches a step than pipeline stages, after every rank has loaded
-    the model (Schedule1F1B's constructor): refused here first, from the flags."""
-    if microbatches < stages:
+def check_pipeline_microbatches(
+    microbatches: int, stages: int, micro_batch_size: int, schedule: str = "1f1b", world: int | None = None
+) -> None:
+    """torch's schedules raise on a micro-batch count they cannot lay out, after every rank has loaded the model
+    (their constructors, torch.distributed.pipelining.schedules): 1F1B and DualPipeV on fewer than the pipeline
+    stages, the interleaved ones on a count that is not a whole number of rounds (max(1, m // ranks) of them).
+    Refused here first, from the flags, with a --batch-size that works."""
+    if schedule in ("1f1b", "dualpipev") and microbatches < stages:
         raise RunError(
-            f"{microbatches} micro-batches a step are fewer than the {stages} pipeline stages, which torch's 1F1B "
-            f"schedule refuses: --batch-size {stages * micro_batch_size} or more (or fewer ranks)"
+            f"{microbatches} micro-batches a step are fewer than the {stages} pipeline stages, which torch's "
+            f"--schedule {schedule} refuses: --batch-size {stages * micro_batch_size} or more (or fewer ranks)"
         )
+    if schedule in ("interleaved-1f1b", "interleaved-zb") and world:
+        rounds = max(1, microbatches // world)
+        if microbatches % rounds:
+            works = rounds * world * micro_batch_size
+            raise RunError(
+                f"{microbatches} micro-batches a step are not a whole number of rounds of {world} ranks "
+                f"({rounds} rounds), which torch's --schedule {schedule} refuses: --batch-size {works}, a multiple "
+                f"of {world * micro_batch_size} (ranks x --micro-batch-size)"
+            )
 
 
 def check_tp_degree(config, tp: int) -> None:

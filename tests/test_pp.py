@@ -353,6 +353,27 @@ def test_fewer_micro_batches_than_stages_are_refused_before_the_model(tmp_path, 
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize(
+    "schedule, micro, batch, said",
+    [
+        ("dualpipev", 4, "8", "2 micro-batches a step are fewer than the 4 pipeline stages"),
+        ("interleaved-1f1b", 1, "5", "5 micro-batches a step are not a whole number of rounds of 2 ranks"),
+        ("interleaved-zb", 1, "5", "--batch-size 4, a multiple of 2"),
+    ],
+)
+def test_a_micro_batch_count_the_schedule_cannot_lay_out_is_refused_before_the_model(
+    schedule, micro, batch, said, tmp_path, data_dir, monkeypatch
+):
+    """torch's DualPipeV needs as many micro-batches as stages (4 on 2 ranks), its interleaved schedules a whole
+    number of rounds (5 micro-batches on 2 ranks are 2 rounds and one over): each raises in its constructor, after
+    every rank has loaded the model; refused first, with a batch that works."""
+    argv = flags(data_dir, micro, "--schedule", schedule, "--output-dir", str(tmp_path / "o"))
+    argv[argv.index("--batch-size") + 1] = batch
+    message = parity.refused(monkeypatch, TRAIN, *argv, world=2)
+    assert said in message and f"--schedule {schedule}" in message
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize("world, schedule", [(3, "1f1b"), (4, "interleaved-1f1b"), (4, "zbv")])
 def test_stages_that_do_not_divide_the_layers_are_refused(world, schedule, tmp_path, data_dir, monkeypatch):
     """3 stages on 3 ranks, or 8 on 4 ranks interleaved or on a V, for 4 layers: refused before the process group

@@ -171,8 +171,7 @@ def main() -> None:
     n_stages, per_stage = stage_layout(models.model_config(args.model).num_hidden_layers, world, args.schedule)
     # Pipelining is not data parallelism: every micro-batch of the step goes through every rank.
     accum = batching.accumulation_steps(args.batch_size, args.micro_batch_size, data_parallel=1)
-    if args.schedule == "1f1b":
-        ranks.check_pipeline_microbatches(accum, n_stages, args.micro_batch_size)
+    ranks.check_pipeline_microbatches(accum, n_stages, args.micro_batch_size, args.schedule, world)
     # Downloads before the group exists: no rank waits in a collective meanwhile (the group's 30-minute timeout).
     models.fetch(args.model)
     splits = data.load_splits(args.data, args.data_revision)
