@@ -77,6 +77,19 @@ def test_no_example_attends_to_another(attn):
     torch.testing.assert_close(b_loss, loss_alone, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_a_kv_cache_left_on_changes_no_packed_logit(attn):
+    """fsdp-ft's --use-cache (a silent failure) costs memory, not correctness: within one forward the cache holds the
+    keys and values the layer attends to anyway, and packed examples stay apart (its help and the FSDP post say so)."""
+    a, b = example(1, 40, 10), example(2, 30, 8)
+    model = tiny(attn)
+    mb = batching.collate_packed([[a, b]], 128)
+    with torch.no_grad():
+        off, on = (model(**attention.model_inputs(mb, model.config), use_cache=c) for c in (False, True))
+    assert off.past_key_values is None and on.past_key_values is not None
+    torch.testing.assert_close(on.logits, off.logits, rtol=0, atol=0)
+
+
 @pytest.fixture
 def fake_flash_attn(monkeypatch):
     """flash-attn 'installed': a module whose varlen function is the reference (and whose plain function, the

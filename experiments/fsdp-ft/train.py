@@ -108,8 +108,8 @@ def parse_args():
     m.add_argument(
         "--use-cache",
         action="store_true",
-        help="leave the KV cache on in training (with checkpointing transformers drops it; without, it is kept, and "
-        "packed examples then attend to the ones before them in their row)",
+        help="leave the KV cache on in training (with checkpointing transformers drops it; without, every layer's "
+        "keys and values are kept in a cache the step never reads: memory, the same logits)",
     )
     m.add_argument(
         "--count-lost-updates",
