@@ -149,7 +149,7 @@ DECISIONS = [
     ),
     d(
         "fsdp-tp.md",
-        "Across nodes, where TP stops at a node's GPUs",
+        "Qwen3-14B at 40,960 tokens on 2 nodes",
         "--model Qwen/Qwen3-14B --gpus 16 --nodes 2 --gpu a100-40gb --link nvlink3 --max-length 40960 "
         "--micro-batch-size 1",
         "fsdp-tp-ft (dp4 x tp4)",
@@ -245,7 +245,7 @@ DECISIONS = [
     # blogs/fsdp.md, "When to pick FSDP over DDP for LoRA"
     d(
         "fsdp.md",
-        "Freed memory alone is no reason:",
+        "FSDP takes Qwen3-4B's model per GPU",
         ["--gpus", "2", *RTX4090, "--micro-batch-size", "8", "--batch-size", "32"],
         "ddp-ft --quant none (dp2)",
         "the planner keeps DDP",
@@ -259,7 +259,7 @@ DECISIONS = [
     ),
     d(
         "fsdp.md",
-        "The bf16 replica does not fit, and you want a bf16 base",
+        "Qwen3-8B at micro-batch 4 on 2 x RTX 4090",
         ["--model", "Qwen/Qwen3-8B", "--gpus", "2", *RTX4090, "--micro-batch-size", "4"],
         "ddp-ft --quant nf4 (dp2)",
         "ddp-ft --quant nf4",
@@ -320,7 +320,7 @@ DECISIONS = [
     # blogs/ddp.md, "What to run, and when": a global batch that fills 8 GPUs (at 16, fsdp-tp-ft leads: the flag test)
     d(
         "ddp.md",
-        "Give each rank enough of the batch.",
+        "At `--batch-size 64` on H100s",
         "--gpus 8 --gpu h100-sxm --batch-size 64",
         "ddp-ft --quant none (dp8)",
         "`ddp-ft --quant none` leads again",
@@ -380,7 +380,7 @@ STATED = {  # (post, phrase): {variant: {the other pick: the words the post says
         "half the GPUs": {"fsdp-ft --quant nf4": "on 4 of them only 4-bit shards fit"}
     },
     ("fsdp-tp.md", "Where no mesh with TP inside a node fits"): {"double the GPUs": {"fsdp-tp-ft": "`fsdp-tp-ft"}},
-    ("fsdp-tp.md", "Across nodes, where TP stops at a node's GPUs"): {"half the GPUs": {"tp-sp-ft": "`tp-sp-ft`"}},
+    ("fsdp-tp.md", "Qwen3-14B at 40,960 tokens on 2 nodes"): {"half the GPUs": {"tp-sp-ft": "`tp-sp-ft`"}},
     ("tp-sp.md", "Long sequences do not fit, nor does a replica:"): {
         "half the GPUs": {"none": "On two cards nothing fits"},
         "double the GPUs": {"cp-ft": "on eight, `cp-ft (cp8)`"},
@@ -415,7 +415,7 @@ STATED = {  # (post, phrase): {variant: {the other pick: the words the post says
         "eager, host": {"fsdp-tp-ft (dp8 x tp2)": "eager with the host, dp8 x tp2"},
         "half the GPUs": {"fsdp-tp-ft": "fsdp-tp-ft"},
     },
-    ("ddp.md", "Give each rank enough of the batch."): {"eager, host": {"fsdp-ft (dp8)": "eager, `fsdp-ft`"}},
+    ("ddp.md", "At `--batch-size 64` on H100s"): {"eager, host": {"fsdp-ft (dp8)": "eager, `fsdp-ft`"}},
     ("ddp.md", "it still recommends `ddp-ft`"): {card: {"tp-sp-ft": L4_A10} for card in ("a10", "l4")},
     ("cp.md", "At 40,960 tokens it picks 4-bit FSDP"): {
         "-0.15 GiB": {"cp-ft (cp2)": "0.08 GiB to spare"},
@@ -423,9 +423,7 @@ STATED = {  # (post, phrase): {variant: {the other pick: the words the post says
         **{card: {"cp-ft": "on two L4s or A10s it picks cp-ft"} for card in ("a10", "l4")},
     },
     ("fsdp.md", "The bf16 replica fits: use DDP."): {card: {"tp-sp-ft": L4_A10} for card in ("a10", "l4")},
-    ("fsdp.md", "The bf16 replica does not fit, and you want a bf16 base"): {
-        "l4": {"fsdp-ft": "on L4s bf16 `fsdp-ft`"}
-    },
+    ("fsdp.md", "Qwen3-8B at micro-batch 4 on 2 x RTX 4090"): {"l4": {"fsdp-ft": "on L4s bf16 `fsdp-ft`"}},
     ("fsdp.md", "Even the 4-bit replica does not fit: shard."): {
         "half the GPUs": {"fsdp-ft --quant nf4": "`fsdp-ft --quant nf4` where only 4-bit ones do"},
         "double the GPUs": {"fsdp-ft": "`fsdp-ft` where bf16 shards fit"},
@@ -480,6 +478,21 @@ def case_text(post: str, phrase: str) -> str:
     blocks = [normalized(b) for b in re.split(r"\n(?=\s*- \*\*)|\n\s*\n", text)]
     i = next(i for i, b in enumerate(blocks) if phrase in b)
     return blocks[i] + (" " + blocks[i + 1] if "├──" in blocks[i] else "")
+
+
+def case_sentence(post: str, phrase: str) -> str:
+    """The words that state the case: the sentence or tree branch the phrase is in, and the block's lead (a paragraph's
+    first sentence, a tree's question) where the lead states no case of its own. A flag one case names cannot stand
+    for another case's in the same paragraph."""
+    text = (ROOT / "blogs" / post).read_text()
+    block = next(b for b in (normalized(b) for b in re.split(r"\n(?=\s*- \*\*)|\n\s*\n", text)) if phrase in b)
+    at = block.index(phrase)
+    start = max(block.rfind(". ", 0, at) + 2, block.rfind("── ", 0, at) + 3)
+    stops = [i for i in (block.find(". ", at + len(phrase)), *(block.find(b, at) for b in ("├──", "└──"))) if i >= 0]
+    lead = block[: block.index("├──") if "├──" in block else block.find(". ") % (len(block) + 1)]
+    if any(x.phrase in lead for x in DECISIONS if x.post == post and x.phrase != phrase):
+        lead = ""
+    return lead + " " + block[start : min(stops, default=len(block))]
 
 
 @pytest.fixture(scope="module")
@@ -574,7 +587,7 @@ IN_WORDS = {("--micro-batch-size", "1"): "micro-batch 1", ("--inter-node-link", 
 @pytest.mark.parametrize("decision", DECISIONS, ids=[f"{x.post}:{x.phrase[:40]}:{x.recommended}" for x in DECISIONS])
 def test_a_case_names_every_flag_its_pick_depends_on(decision, plans, capsys):
     argv = decision.argv
-    said = case_text(decision.post, decision.phrase)
+    said = case_sentence(decision.post, decision.phrase)
     for i, flag in enumerate(argv):
         if flag not in TUNED:
             continue
