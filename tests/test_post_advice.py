@@ -317,6 +317,36 @@ DECISIONS = [
         "4-bit FSDP",
         tokens=True,
     ),
+    # blogs/ddp.md, "What to run, and when": "Run it" on H100s and H200s, compiled and eager
+    d(
+        "ddp.md",
+        "on H100s and H200s, not RTX 4090s,",
+        "--gpus 2 --gpu h100-sxm",
+        "ddp-ft --quant none (dp2)",
+        "`--quant none`",
+    ),
+    d(
+        "ddp.md",
+        "on H100s and H200s, not RTX 4090s,",
+        "--gpus 2 --gpu h200",
+        "ddp-ft --quant none (dp2)",
+        "`--quant none`",
+    ),
+    d(
+        "ddp.md",
+        "Eager (`--no-compile`) on 2 H100s",
+        "--gpus 2 --gpu h100-sxm --no-compile",
+        "ddp-ft --quant nf4 (dp2)",
+        "QLoRA beats bf16 DDP",
+    ),
+    d(
+        "ddp.md",
+        "Eager on 2 H200s",
+        "--gpus 2 --gpu h200 --no-compile --host h200-vm",
+        "tp-sp-ft (tp2)",
+        "`tp-sp-ft (tp2)`",
+        tokens=True,
+    ),
     # blogs/ddp.md, "What to run, and when": a global batch that fills 8 GPUs (at 16, fsdp-tp-ft leads: the flag test)
     d(
         "ddp.md",
@@ -416,6 +446,16 @@ STATED = {  # (post, phrase): {variant: {the other pick: the words the post says
         "half the GPUs": {"fsdp-tp-ft": "fsdp-tp-ft"},
     },
     ("ddp.md", "At `--batch-size 64` on H100s"): {"eager, host": {"fsdp-ft (dp8)": "eager, `fsdp-ft`"}},
+    ("ddp.md", "on H100s and H200s, not RTX 4090s,"): {
+        "eager, host": {"fsdp-ft (dp2)": "with `--host h100-vm`, `fsdp-ft`", "tp-sp-ft (tp2)": "on 2 H200s, `tp-sp-ft"}
+    },
+    ("ddp.md", "Eager (`--no-compile`) on 2 H100s"): {
+        **{
+            variant: {"fsdp-ft (dp2)": "with `--host h100-vm`, `fsdp-ft`"}
+            for variant in ("packed, host", "eager, host")
+        },
+        "double the GPUs": {"tp-sp-ft": "on four, `tp-sp-ft`"},
+    },
     ("ddp.md", "it still recommends `ddp-ft`"): {card: {"tp-sp-ft": L4_A10} for card in ("a10", "l4")},
     ("cp.md", "At 40,960 tokens it picks 4-bit FSDP"): {
         "-0.15 GiB": {"cp-ft (cp2)": "0.08 GiB to spare"},
