@@ -454,7 +454,7 @@ STATED = {  # (post, phrase): {variant: {the other pick: the words the post says
             variant: {"fsdp-ft (dp2)": "with `--host h100-vm`, `fsdp-ft`"}
             for variant in ("packed, host", "eager, host")
         },
-        "double the GPUs": {"tp-sp-ft": "on four, `tp-sp-ft`"},
+        "double the GPUs": {"tp-sp-ft": "four: `tp-sp-ft` leads"},
     },
     ("ddp.md", "it still recommends `ddp-ft`"): {card: {"tp-sp-ft": L4_A10} for card in ("a10", "l4")},
     ("cp.md", "At 40,960 tokens it picks 4-bit FSDP"): {
