@@ -126,6 +126,8 @@ def main() -> None:
     p.add_argument("--devlog", type=Path, default=None, help="devlog whose bubble table to rewrite")
     p.add_argument("--table", nargs="*", type=Path, default=[], help="run directories for the bubble table")
     args = p.parse_args()
+    if args.devlog is not None and not args.table:  # an empty table would replace the devlog's rows
+        p.error("--devlog rewrites the devlog's bubble table from the --table runs: give them (--table RUN_DIR...)")
     runs = args.runs or [RUNS / name for name in FIGURE_RUNS]
     if args.devlog is not None:
         write_table(args.devlog, args.table)

@@ -121,6 +121,16 @@ def test_the_devlogs_bubble_table_is_the_runs():
     assert committed == pp_timeline.bubble_table(runs)
 
 
+def test_devlog_without_table_runs_is_refused_before_the_devlog_is_touched(tmp_path, monkeypatch, capsys):
+    devlog = tmp_path / "pp-ft.md"
+    devlog.write_text("<!-- bubble:begin -->\n| a row |\n<!-- bubble:end -->\n")
+    monkeypatch.setattr("sys.argv", ["pp_timeline.py", "--devlog", str(devlog), "--out", str(tmp_path / "f.png")])
+    with pytest.raises(SystemExit):
+        pp_timeline.main()
+    assert "--table RUN_DIR" in capsys.readouterr().err
+    assert "| a row |" in devlog.read_text()
+
+
 def test_the_post_and_the_devlog_show_the_figure():
     for doc in ("blogs/pp.md", "devlogs/pp-ft.md"):
         assert "](../assets/pp_timeline.png)" in (ROOT / doc).read_text(), doc
