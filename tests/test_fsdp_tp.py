@@ -60,6 +60,13 @@ def test_same_step_as_the_single_process_reference(mesh, reference):
     assert adapter <= parity.ADAPTER_TOL
 
 
+def test_no_host_sync_per_micro_batch(mesh):
+    dp, tp, run = mesh  # mesh 1x2 runs two micro-batches a step: a sync in each would count 3
+    counts = parity.host_syncs(run.run_dir, save_every=10**6)
+    print(f"mesh {dp}x{tp}: host syncs per plain step {counts}")
+    assert max(counts) <= parity.MAX_HOST_SYNCS
+
+
 def test_each_mesh_dimension_sends_what_theory_says(mesh):
     """dp: FSDP2's all-gathers of this TP rank's slices (every unit in forward, the layers again in backward) and
     one reduce-scatter of the LoRA gradients per step, as fsdp-ft's; tp: tp-ft's all-reduces on this TP group's
