@@ -30,9 +30,10 @@
 # runs ddp-ft and single-gpu-ft with --quant none.
 #
 # For a machine lent ~15 minutes in all (one command of <= 10 minutes after its start-up), part b's configurations
-# are better run by assets/gpu_sweep.py: ONE process builds the model once (each run above: ~45 s) and switches
-# layout, checkpointing, LoRA dropout, the optimizer, Liger and compiled layers in place, one JSON line per
-# configuration fsynced as it ends (env, micro-benchmarks, the eager and compiled ladders, a profile, the HF rows):
+# are better run by assets/gpu_sweep.py: ONE process builds the model once (each run above: 44-48 s, ~21 s outside
+# its steps) and switches layout, checkpointing, LoRA dropout, the optimizer, Liger and compiled layers in place, one
+# JSON line per configuration fsynced as it ends (env, micro-benchmarks, the eager and compiled ladders, a profile,
+# the HF rows):
 #   python3 assets/gpu_sweep.py --out $OUT/sweep      (its docstring: the wheels, --budget-s, --only; --smoke on CPU)
 #
 # Files: each part writes a new folder <part>-<what>-<device>[-N] under --out (GPU_SESSION_OUT; default

@@ -259,7 +259,7 @@ def collate(items: Sequence[Encoded], pad_id: int = 0) -> dict:
     - `targets` [rows, k]: those next tokens, IGNORE_INDEX where padded.
 
     The lm_head then runs on the answer positions only (`logits_to_keep=logit_positions`): with Qwen3's 151,936-
-    word vocabulary, logits for every position of a 2 x 2048 micro-batch are 1.2 GB in fp32, and all but the
+    word vocabulary, logits for every position of a 2 x 2048 micro-batch are 2.5 GB in fp32, and all but the
     answer's few hundred positions would be thrown away by the loss."""
     width = max(len(e.input_ids) for e in items)
     ids = torch.full((len(items), width), pad_id, dtype=torch.long)

@@ -381,7 +381,7 @@ def h100_prediction(run: str) -> tuple[list[dict], dict]:
 
 def test_the_ami_lengths_give_the_h100_runs_batches_step_by_step():
     """ftkit/ami_lengths-tiny.json (the tiny tokenizer's counts, which those runs tokenized) through
-    data.GlobalBatches gives each committed run's global batches: the real tokens of every step are the ones its
+    batching.GlobalBatches gives each committed run's global batches: the real tokens of every step are the ones its
     metrics.jsonl recorded."""
     for run in H100_RUNS:
         steps, _ = h100_prediction(run)
@@ -554,7 +554,7 @@ def test_packed_and_compiled_steps_are_predicted_faster_and_say_what_they_assume
         # issue 30's bar: the host's work per 1,000 real tokens, packed compiled at least 10x below padded eager
         assert c["host_ops_per_1000_tokens"] * 10 <= p["host_ops_per_1000_tokens"], quant
         assert c["host_ops_per_1000_tokens"] < k["host_ops_per_1000_tokens"] < p["host_ops_per_1000_tokens"]
-        assert c["padding_fraction"] <= 0.05  # rows as wide as their micro-batch's fullest (data.packed_width)
+        assert c["padding_fraction"] <= 0.05  # rows as wide as their micro-batch's fullest (batching.packed_width)
     for result in (padded, packed, compiled):
         assert result["prediction"][0] == "PREDICTED by ftkit.plan: a model, not a measurement"
     main(["--gpus", "1", "--host", "h100-vm", "--layout", "packed", "--compile"])

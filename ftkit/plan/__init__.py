@@ -63,7 +63,7 @@ its host: the GPU computed 3.39 s of a 5.77 s step (devlogs/single-gpu-ft.md). W
   whole meetings); "full" every row --max-length real tokens, as before issue 30; "padded", "packed", "masked" and
   "fixed" (one example per row, right-padded to --max-length) the AMI training examples (`AMI_LENGTHS`: in Qwen3's
   tokens, or with `--tokenizer tiny` the tiny tokenizer's, which the committed H100 runs tokenized) in the scripts'
-  own global batches (`data.GlobalBatches`, `data.pack`) over an
+  own global batches (`batching.GlobalBatches`, `batching.pack`) over an
   epoch: the step time is their median, tokens/s their real tokens over their time; memory counts the lm_head at
   the most answer positions a row holds (a packed row of 2,048 up to 446), not --answer-tokens.
 Without `--host` the host costs nothing and the GPU computes at 40%: the GPU-only model above, on the scripts' layout,

@@ -144,9 +144,10 @@ def prediction_notes(s: Setting, rows: list[dict], auto: bool = False) -> list[s
         "padded": "the AMI training examples (AMI_LENGTHS) in the scripts' "
         f"length-grouped global batches (seed {s.seed}), one example per row, each micro-batch right-padded to its "
         "longest (--no-packing)",
-        "packed": f"the same global batches packed first-fit decreasing into rows of up to {s.max_length} (data.pack), "
-        f"{s.micro_batch_size} rows a micro-batch as wide as the fullest (data.packed_width), every rank the same "
-        "micro-steps; the attention kernel computes each whole row (SDPA with the block-diagonal mask)",
+        "packed": f"the same global batches packed first-fit decreasing into rows of up to {s.max_length} "
+        f"(batching.pack), {s.micro_batch_size} rows a micro-batch as wide as the fullest (batching.packed_width), "
+        "every rank the same micro-steps; the attention kernel computes each whole row (SDPA with the block-diagonal "
+        "mask)",
         "masked": "padded as the scripts ran it until issue 30, the padding mask passed (the committed H100 runs)",
         "fixed": "the AMI training examples one per row, right-padded to --max-length (pp-ft's one shape)",
     }[s.layout]
