@@ -31,17 +31,19 @@ if [ "${GPU:-0}" = 1 ]; then
     # Random init with Qwen3-4B's exact config (no download; about 3 minutes on the host CPU per run). QLoRA runs
     # 10 steps (warmup 3) to keep each run inside a 10-minute job on a lent GPU; the per-step rows are what the
     # devlog reads. (The runs with fp32 adapter compute, `*-fp32-adapters`, came from this script before
-    # lora.adapters_compute_in; memory_check.py checks them with --fp32-adapters.)
-    run gpu-4b-shape-lora-bf16 --model qwen3-4b-shape --fit off --quant none --max-steps 20 --eval-every 1000 \
-        --save-every 1000
-    run gpu-4b-shape-qlora-nf4 --model qwen3-4b-shape --fit off --max-steps 10 --warmup-steps 3 --eval-every 1000 \
-        --save-every 1000
+    # lora.adapters_compute_in; memory_check.py checks them with --fp32-adapters.) AS_RUN: the committed runs'
+    # layout, not today's defaults: padded rows (they also passed the padding mask, which --no-packing no longer
+    # does), eager layers, the tiny tokenizer's tokens (qwen3-4b-shape's own before issue 42), the reference layout.
+    AS_RUN=(--model qwen3-4b-shape --fit off --no-packing --no-compile --tokenizer tiny --eval-every 1000
+        --save-every 1000)
+    run gpu-4b-shape-lora-bf16 "${AS_RUN[@]}" --quant none --max-steps 20
+    run gpu-4b-shape-qlora-nf4 "${AS_RUN[@]}" --max-steps 10 --warmup-steps 3
     extra=devlogs/runs/single-gpu-ft-gpu
     mkdir -p $extra
     # Where a step's time goes: a profiled step 2 (the ops table sorted by GPU time).
     prof=runs/devlog/single-gpu-ft/profile-$STAMP
-    $PY experiments/single-gpu-ft/train.py --data "$DATA" --no-progress --output-dir "$prof" --model qwen3-4b-shape \
-        --fit off --quant none --max-steps 3 --eval-every 1000 --save-every 1000 --profile-steps 2:2
+    $PY experiments/single-gpu-ft/train.py --data "$DATA" --no-progress --output-dir "$prof" "${AS_RUN[@]}" \
+        --quant none --max-steps 3 --profile-steps 2:2
     cp "$prof"/profile/ops-rank0-steps2-2.txt $extra/profile-lora-bf16-step2-ops.txt
     cp "$prof"/metrics.jsonl $extra/profile-lora-bf16-metrics.jsonl
     # What the GPU allocates beyond the memory model: a step's peak with 1, 2 and 4 of Qwen3-4B's decoder layers.

@@ -11,8 +11,10 @@ DATA=${1:-qmsum-ami}  # the AMI meetings the package ships
 PY=${PYTHON:-uv run python}
 STAMP=$(date +%Y%m%d-%H%M%S)
 # The --smoke defaults (tiny Qwen3, fp32, LoRA rank 16, global batch 8, micro-batch 2, max length 512), 10 steps,
-# no activation checkpointing so that each forward collective runs once per micro-batch.
-FLAGS=(--smoke --data "$DATA" --max-steps 10 --eval-every 5 --eval-examples 8 --no-grad-checkpointing --no-progress)
+# no activation checkpointing so that each forward collective runs once per micro-batch; one padded sequence per
+# row (--no-packing), the layout of the committed runs, which predate packing by default.
+FLAGS=(--smoke --data "$DATA" --max-steps 10 --eval-every 5 --eval-examples 8 --no-grad-checkpointing --no-packing
+    --no-progress)
 
 copy_run() {  # copy_run RUN_DIR NAME
     mkdir -p "devlogs/runs/tp-sp-ft/$2"
