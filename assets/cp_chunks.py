@@ -17,6 +17,7 @@ figure draws and the post prints, for tests/test_figure_cp_chunks.py.
 
 from __future__ import annotations
 
+import argparse
 import io
 import json
 import runpy
@@ -353,4 +354,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

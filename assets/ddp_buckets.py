@@ -27,8 +27,8 @@ What comes from where:
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import matplotlib
@@ -332,8 +332,8 @@ def draw(t: dict, out: Path = OUT) -> None:
     plt.close(fig)
 
 
-def main() -> None:
-    if "--check" in sys.argv[1:]:
+def main(check: bool = False) -> None:
+    if check:
         check_against_ddp()
     t = timeline()
     print(f"backward through the layers: {t['backward_s'] * 1e3:.1f} ms ({len(t['segments'])} segments)")
@@ -353,4 +353,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--check", action="store_true", help="first check the bucket rule against torch's DDP")
+    main(parser.parse_args().check)

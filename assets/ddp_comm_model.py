@@ -12,6 +12,7 @@ them assumes an MFU, stated in the table; it is an assumption, not a measurement
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from types import SimpleNamespace
 
@@ -92,4 +93,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -15,6 +15,7 @@ other passes of assets/ddp_runs.sh) and rewrites two sections of devlogs/ddp-ft.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from pathlib import Path
@@ -145,4 +146,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

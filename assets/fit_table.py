@@ -8,6 +8,7 @@ A prediction, not a measurement: the memory model with the planner's margin, the
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -62,4 +63,5 @@ def table(result: dict) -> str:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     print(table(main()))

@@ -26,6 +26,7 @@ Qwen3-4B's shape (devlogs/runs/realscale/fsdp-world*.json), and the unsharded by
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -302,4 +303,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

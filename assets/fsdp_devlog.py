@@ -11,6 +11,7 @@ compared with the QLoRA reference. Numbers are never typed by hand.
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -68,4 +69,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

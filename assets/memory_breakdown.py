@@ -6,6 +6,7 @@ Every number is the memory model's (ftkit/memory.py), not a measurement.
     uv run python assets/memory_breakdown.py
 """
 
+import argparse
 from pathlib import Path
 
 import matplotlib
@@ -165,4 +166,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -9,6 +9,7 @@ tokenizes: the reference configuration, --max-length 2048, --batch-size 16, seed
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 from pathlib import Path
@@ -56,6 +57,7 @@ def table(result: dict) -> str:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     result, _ = main()
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps(result, indent=2) + "\n")

@@ -12,6 +12,7 @@ convention:
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -96,4 +97,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -11,6 +11,7 @@ ftkit/comm.py's `tp_sp_collective_theory` and `tp_all_reduce_theory`, through as
 
 from __future__ import annotations
 
+import argparse
 import io
 import sys
 from pathlib import Path
@@ -230,5 +231,6 @@ def draw(n: dict, out: Path) -> None:
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     draw(numbers(), OUT)
     print(f"wrote {OUT}")

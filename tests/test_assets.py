@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import runpy
+import subprocess
 import sys
 
 import pytest
@@ -89,10 +90,11 @@ def test_the_memory_posts_tables_are_what_the_model_predicts():
     assert breakdown["seq_table"]() in post
 
 
-def test_the_real_scale_table_is_the_committed_runs(capsys):
+def test_the_real_scale_table_is_the_committed_runs(capsys, monkeypatch):
     """The table of the fake-tensor runs, as assets/real_scale_table.py prints it from devlogs/runs/realscale/, is
     the one devlogs/runs/realscale/README.md shows, and the memory post links the section that checks its figures
     against them."""
+    monkeypatch.setattr(sys, "argv", ["real_scale_table.py"])
     runpy.run_path(str(ROOT / "assets" / "real_scale_table.py"), run_name="__main__")
     table = capsys.readouterr().out.strip()
     assert table.count("\n") >= 5
@@ -122,9 +124,10 @@ def test_the_cp_devlogs_fake_tensor_table_is_the_committed_runs():
     ) in " ".join(devlog.split())
 
 
-def test_the_ddp_posts_link_table_is_the_models(capsys):
+def test_the_ddp_posts_link_table_is_the_models(capsys, monkeypatch):
     """blogs/ddp.md's all-reduce times per link are assets/ddp_comm_model.py's, which reads the links from
     ftkit/hardware.py, the planner's table: one PCIe figure everywhere."""
+    monkeypatch.setattr(sys, "argv", ["ddp_comm_model.py"])
     runpy.run_path(str(ROOT / "assets" / "ddp_comm_model.py"), run_name="__main__")
     table = capsys.readouterr().out.split("\n\n")[0].strip()
     assert "PCIe Gen4 x16, 31.5 GB/s" in table
@@ -176,3 +179,23 @@ def test_each_decoder_layer_costs_on_the_h100_what_the_memory_model_says():
     for r in (json.loads(line) for line in no_workspace.read_text().splitlines()):
         if "layers" in r and not r["padded"]:
             assert 0 <= r["peak_bytes"] - predicted(r["layers"], r["answer_positions"]) <= 8 * 2**20, r
+
+
+SCRIPTS = sorted((ROOT / "assets").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[p.name for p in SCRIPTS])
+def test_each_script_answers_help_and_writes_nothing(script, monkeypatch, capsys):
+    """`--help` prints the script's usage and exits before any work: a script that ignored it would rewrite the
+    devlog, figure or run files it makes (tracked files, a reader's edits among them)."""
+    tracked = [
+        ROOT / f for f in subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+    ]
+    before = {f: f.stat().st_mtime_ns for f in tracked if f.exists()}
+    monkeypatch.setattr(sys, "argv", [str(script), "--help"])
+    monkeypatch.syspath_prepend(str(script.parent))  # as `python assets/<name>.py` puts it first: their siblings
+    with pytest.raises(SystemExit) as exit:
+        runpy.run_path(str(script), run_name="__main__")
+    assert exit.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+    assert {f: f.stat().st_mtime_ns for f in before if f.exists()} == before
