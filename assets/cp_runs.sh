@@ -6,6 +6,7 @@
 # reference (single-gpu-ft on the same whole meetings, one padded row each) and cp-ft on 2 and 4 processes, all
 # with cp-ft's --smoke defaults (whole meetings up to 4,096 tokens, global batch 2, micro-batch 1), 6 steps.
 set -euo pipefail
+case ${1:-} in -*) sed -n '2,/^set -euo/s/^# \{0,1\}//p' "$0" && exit 0 ;; esac # -h, --help: the lines above
 cd "$(dirname "$0")/.."
 DATA=${1:-qmsum-ami}  # the AMI meetings the package ships
 PY=${PYTHON:-uv run python}

@@ -10,6 +10,7 @@
 # effect table reports each configuration's median and range over the passes. A configuration PyTorch refuses
 # to train has its error kept in devlogs/runs/ddp-ft-failures/<name>.txt instead.
 set -euo pipefail
+case ${1:-} in -*) sed -n '2,/^set -euo/s/^# \{0,1\}//p' "$0" && exit 0 ;; esac # -h, --help: the lines above
 cd "$(dirname "$0")/.."
 DATA=${1:-qmsum-ami}  # the AMI meetings the package ships
 PY=${PYTHON:-uv run python}

@@ -6,6 +6,7 @@
 # Each run's summary.json and metrics.jsonl are copied into devlogs/runs/fsdp-ft/<name>/; a configuration the
 # script refuses has its error kept in devlogs/runs/fsdp-ft-failures/<name>.txt instead.
 set -euo pipefail
+case ${1:-} in -*) sed -n '2,/^set -euo/s/^# \{0,1\}//p' "$0" && exit 0 ;; esac # -h, --help: the lines above
 cd "$(dirname "$0")/.."
 DATA=${1:-qmsum-ami}  # the AMI meetings the package ships
 PY=${PYTHON:-uv run python}

@@ -5,6 +5,7 @@
 # Each run's summary.json and metrics.jsonl are copied into devlogs/runs/fsdp-tp-ft/<name>/: the single-process
 # LoRA reference and fsdp-tp-ft on meshes 2x2, 1x2 and 2x1, all with the same flags.
 set -euo pipefail
+case ${1:-} in -*) sed -n '2,/^set -euo/s/^# \{0,1\}//p' "$0" && exit 0 ;; esac # -h, --help: the lines above
 cd "$(dirname "$0")/.."
 DATA=${1:-qmsum-ami}  # the AMI meetings the package ships
 PY=${PYTHON:-uv run python}

@@ -4,6 +4,7 @@
 #   PYTHON=.venv/bin/python bash ...        an environment's interpreter instead of `uv run python`
 # Each run's summary.json, metrics.jsonl and timeline.json go to devlogs/runs/pp-ft/<name>/.
 set -euo pipefail
+case ${1:-} in -*) sed -n '2,/^set -euo/s/^# \{0,1\}//p' "$0" && exit 0 ;; esac # -h, --help: the lines above
 cd "$(dirname "$0")/.."
 DATA=${1:-qmsum-ami}  # the AMI meetings the package ships
 PY=${PYTHON:-uv run python}

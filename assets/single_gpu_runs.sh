@@ -7,6 +7,7 @@
 # Each run gets a fresh directory under runs/devlog/; its summary.json and metrics.jsonl are copied into
 # devlogs/runs/single-gpu-ft/<name>/, replacing that name's previous measurement.
 set -euo pipefail
+case ${1:-} in -*) sed -n '2,/^set -euo/s/^# \{0,1\}//p' "$0" && exit 0 ;; esac # -h, --help: the lines above
 cd "$(dirname "$0")/.."
 DATA=${1:-qmsum-ami}  # the AMI meetings the package ships
 DEST=devlogs/runs/single-gpu-ft

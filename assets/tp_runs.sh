@@ -6,6 +6,7 @@
 # LoRA reference, tp-ft (DTensor parallelize_module), tp-sp-ft with and without sequence parallelism, all with
 # the same flags at --max-length 512. The naive plan's error is kept in devlogs/runs/tp-sp-ft-failures/.
 set -euo pipefail
+case ${1:-} in -*) sed -n '2,/^set -euo/s/^# \{0,1\}//p' "$0" && exit 0 ;; esac # -h, --help: the lines above
 cd "$(dirname "$0")/.."
 DATA=${1:-qmsum-ami}  # the AMI meetings the package ships
 PY=${PYTHON:-uv run python}

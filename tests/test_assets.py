@@ -199,3 +199,14 @@ def test_each_script_answers_help_and_writes_nothing(script, monkeypatch, capsys
     assert exit.value.code == 0
     assert "usage:" in capsys.readouterr().out
     assert {f: f.stat().st_mtime_ns for f in before if f.exists()} == before
+
+
+RUNS_SCRIPTS = sorted((ROOT / "assets").glob("*_runs.sh"))
+
+
+@pytest.mark.parametrize("script", RUNS_SCRIPTS, ids=[p.name for p in RUNS_SCRIPTS])
+def test_each_runs_script_answers_help_before_any_run(script):
+    """`bash assets/<name>_runs.sh --help` prints its header and exits: a flag is never taken for DATA."""
+    proc = subprocess.run(["bash", str(script), "--help"], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert f"bash assets/{script.name} [DATA]" in proc.stdout
