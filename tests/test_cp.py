@@ -67,11 +67,12 @@ def test_four_ranks_take_the_single_process_steps(tmp_path, reference):
 
 
 def test_two_data_parallel_groups_of_two_take_the_single_process_steps(tmp_path):
-    """--cp 2 on 4 ranks: ranks 0-1 and 2-3 each split one sequence of every step (a global batch of 2), their
-    gathers inside their group, the gradients summed over all four: single-gpu-ft's steps on the same sequences.
-    Span queries at 512 tokens (`--task all`): what is tested is the grid, and short sequences keep it quick."""
+    """--cp 2 on 4 ranks: ranks 0-1 and 2-3 each split two sequences of every step (a global batch of 4, two
+    micro-batches a step), their gathers inside their group, the gradients summed over all four: single-gpu-ft's
+    steps on the same sequences, with no host sync per micro-batch. Span queries at 512 tokens (`--task all`): what
+    is tested is the grid, and short sequences keep it quick."""
     wider = flags()
-    for flag, value in (("--task", "all"), ("--max-length", "512"), ("--batch-size", "2")):
+    for flag, value in (("--task", "all"), ("--max-length", "512"), ("--batch-size", "4")):
         wider[wider.index(flag) + 1] = value
     (tmp_path / "ref").mkdir()
     ref = parity.reference(tmp_path / "ref", *wider, "--no-packing", quant="none")
@@ -83,6 +84,8 @@ def test_two_data_parallel_groups_of_two_take_the_single_process_steps(tmp_path)
     assert parity.compare_adapters(run.run_dir / "adapter", ref / "adapter") <= parity.ADAPTER_TOL
     summary = json.loads((run.run_dir / "summary.json").read_text())
     assert summary["comm_bytes_per_step"] == pytest.approx(summary["comm_theory_bytes_per_step"], rel=1e-12)
+    assert summary["accumulation_steps"] == 2  # a sync in each micro-batch would count 3
+    assert max(parity.host_syncs(run.run_dir, save_every=10)) <= parity.MAX_HOST_SYNCS
 
 
 def test_two_ranks_stopped_and_resumed_take_the_single_process_steps(tmp_path, reference):
