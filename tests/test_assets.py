@@ -182,16 +182,16 @@ def test_each_decoder_layer_costs_on_the_h100_what_the_memory_model_says():
 
 
 SCRIPTS = sorted((ROOT / "assets").glob("*.py"))
+TRACKED = [
+    ROOT / f for f in subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
+]
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=[p.name for p in SCRIPTS])
 def test_each_script_answers_help_and_writes_nothing(script, monkeypatch, capsys):
     """`--help` prints the script's usage and exits before any work: a script that ignored it would rewrite the
     devlog, figure or run files it makes (tracked files, a reader's edits among them)."""
-    tracked = [
-        ROOT / f for f in subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True).stdout.split()
-    ]
-    before = {f: f.stat().st_mtime_ns for f in tracked if f.exists()}
+    before = {f: f.stat().st_mtime_ns for f in TRACKED if f.exists()}
     monkeypatch.setattr(sys, "argv", [str(script), "--help"])
     monkeypatch.syspath_prepend(str(script.parent))  # as `python assets/<name>.py` puts it first: their siblings
     with pytest.raises(SystemExit) as exit:

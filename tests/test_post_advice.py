@@ -5,6 +5,7 @@ GPU): each decision is found in its post by a stable phrase, and the text from t
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 
@@ -504,32 +505,36 @@ def normalized(text: str) -> str:
     return " ".join(text.split())
 
 
+@functools.cache
+def blocks(post: str) -> tuple[str, ...]:
+    """The post's paragraphs and bullets (a decision tree is one), whitespace-normalized."""
+    text = (ROOT / "blogs" / post).read_text()
+    return tuple(normalized(b) for b in re.split(r"\n(?=\s*- \*\*)|\n\s*\n", text))
+
+
 def statement(post: str, phrase: str) -> str:
     """The post's text from `phrase` to the end of its paragraph or bullet, or to the decision tree's next branch."""
-    text = (ROOT / "blogs" / post).read_text()
-    blocks = [normalized(b) for b in re.split(r"\n(?=\s*- \*\*)|\n\s*\n", text)]
-    found = [b for b in blocks if phrase in b]
+    found = [b for b in blocks(post) if phrase in b]
     assert len(found) == 1, f"blogs/{post}: {len(found)} paragraphs state {phrase!r}"
     return re.split(r"[├└]──", found[0][found[0].index(phrase) :])[0]
 
 
 def case_text(post: str, phrase: str) -> str:
-    text = (ROOT / "blogs" / post).read_text()
-    blocks = [normalized(b) for b in re.split(r"\n(?=\s*- \*\*)|\n\s*\n", text)]
-    i = next(i for i, b in enumerate(blocks) if phrase in b)
-    return blocks[i] + (" " + blocks[i + 1] if "├──" in blocks[i] else "")
+    found = blocks(post)
+    i = next(i for i, b in enumerate(found) if phrase in b)
+    return found[i] + (" " + found[i + 1] if "├──" in found[i] else "")
 
 
 def case_sentence(post: str, phrase: str) -> str:
     """The words that state the case: the sentence or tree branch the phrase is in, and the block's lead (a paragraph's
     first sentence, a tree's question) where the lead states no case of its own. A flag one case names cannot stand
     for another case's in the same paragraph."""
-    text = (ROOT / "blogs" / post).read_text()
-    block = next(b for b in (normalized(b) for b in re.split(r"\n(?=\s*- \*\*)|\n\s*\n", text)) if phrase in b)
+    block = next(b for b in blocks(post) if phrase in b)
     at = block.index(phrase)
     start = max(block.rfind(". ", 0, at) + 2, block.rfind("── ", 0, at) + 3)
     stops = [i for i in (block.find(". ", at + len(phrase)), *(block.find(b, at) for b in ("├──", "└──"))) if i >= 0]
-    lead = block[: block.index("├──") if "├──" in block else block.find(". ") % (len(block) + 1)]
+    first_sentence_end = block.find(". ") if ". " in block else len(block)
+    lead = block[: block.index("├──") if "├──" in block else first_sentence_end]
     if any(x.phrase in lead for x in DECISIONS if x.post == post and x.phrase != phrase):
         lead = ""
     return lead + " " + block[start : min(stops, default=len(block))]
